@@ -1,0 +1,58 @@
+"""FedAvg (McMahan et al. 2017): local SGD from the global model, sample-weighted average of deltas.
+
+The server step is w <- w + server_lr * (sum_k n_k delta_k / sum_k n_k), with optional server
+momentum (FedAvgM) when ``server_momentum`` > 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from fl_platform.algorithms.base import AlgorithmConf, AlgorithmSpec, ClientAlgorithm, ServerAlgorithm
+
+from fl_platform.core import Aggregate, ClientUpdate, RoundContext
+
+
+@dataclass
+class FedAvgConf(AlgorithmConf):
+    name: str = "fedavg"
+    server_momentum: float = 0.0
+
+
+class FedAvgClient(ClientAlgorithm):
+    pass
+
+
+class FedAvgServer(ServerAlgorithm):
+    def __init__(self, cfg: FedAvgConf, setup, initial_weights: torch.Tensor) -> None:
+        super().__init__(cfg, setup, initial_weights)
+        self.velocity: torch.Tensor | None = None
+
+    def aggregate(self, ctx: RoundContext, result: Aggregate | list[ClientUpdate]) -> dict[str, float]:
+        assert isinstance(result, Aggregate)
+        total = result.weights.get("n", 0.0)
+        if total <= 0:
+            return {}
+        delta = (result.tensors["delta"] / total).to(torch.float32)
+        momentum = getattr(self.cfg, "server_momentum", 0.0)
+        if momentum:
+            self.velocity = delta if self.velocity is None else self.velocity.mul_(momentum).add_(delta)
+            delta = self.velocity
+        self.weights += delta * self.cfg.server_lr
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.velocity is not None:
+            state["velocity"] = self.velocity.clone()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.velocity = state["velocity"].clone() if "velocity" in state else None
+
+
+SPEC = AlgorithmSpec("fedavg", FedAvgConf, FedAvgClient, FedAvgServer,
+                     "FedAvg: sample-weighted average of local updates")

@@ -1,0 +1,242 @@
+"""Structured configs: one dataclass schema per config-group option, registered with Hydra.
+
+Hydra merges ``conf/<group>/<option>.yaml`` onto its schema, so an unknown key fails at start-up
+naming the key and the schema (``Key 'mux' not in 'FedProxConf'``), a wrong type names the key
+and the expected type, and an unknown option lists the valid ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, StrEnum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from fl_platform.algorithms.registry import algorithm_names, get_algorithm
+from fl_platform.training.loop import TrainConfig
+
+# ---------------------------------------------------------------- dataset
+
+
+@dataclass
+class DatasetConf:
+    name: str = MISSING
+    root: str | None = None  # default: $FL_DATA_ROOT, else ../shared/data beside the repository
+    download: bool = False  # opt-in; never at test time
+
+
+@dataclass
+class DigitsConf(DatasetConf):
+    name: str = "digits"
+    test_fraction: float = 0.2
+
+
+@dataclass
+class SyntheticConf(DatasetConf):
+    name: str = "synthetic"
+    alpha: float = 0.5
+    beta: float = 0.5
+    iid: bool = False
+    size_mean: float = 4.0
+    size_sigma: float = 2.0
+    min_size: int = 50
+    max_size: int | None = None
+
+
+@dataclass
+class MNISTConf(DatasetConf):
+    name: str = "mnist"
+
+
+@dataclass
+class FashionMNISTConf(DatasetConf):
+    name: str = "fashion_mnist"
+
+
+@dataclass
+class CIFAR10Conf(DatasetConf):
+    name: str = "cifar10"
+
+
+@dataclass
+class CIFAR100Conf(DatasetConf):
+    name: str = "cifar100"
+    label_mode: str = "fine"
+
+
+@dataclass
+class FEMNISTConf(DatasetConf):
+    name: str = "femnist"
+    max_writers: int | None = None
+
+
+@dataclass
+class ShakespeareConf(DatasetConf):
+    name: str = "shakespeare"
+    seq_len: int = 80
+    stride: int = 20
+    max_speakers: int | None = None
+
+
+# ---------------------------------------------------------------- partition
+
+
+@dataclass
+class PartitionConf:
+    name: str = MISSING
+
+
+@dataclass
+class IIDConf(PartitionConf):
+    name: str = "iid"
+
+
+@dataclass
+class DirichletConf(PartitionConf):
+    name: str = "dirichlet"
+    alpha: float = 0.5
+    min_size: int = 5
+
+
+@dataclass
+class ShardsConf(PartitionConf):
+    name: str = "shards"
+    classes_per_client: int = 2
+
+
+@dataclass
+class PowerLawConf(PartitionConf):
+    name: str = "power_law"
+    exponent: float = 1.5
+
+
+@dataclass
+class NaturalConf(PartitionConf):
+    name: str = "natural"
+
+
+# ---------------------------------------------------------------- model
+
+
+class Norm(StrEnum):
+    none = "none"
+    batch = "batch"
+    group = "group"
+
+
+@dataclass
+class ModelConf:
+    name: str = MISSING
+
+
+@dataclass
+class MLPConf(ModelConf):
+    name: str = "mlp"
+    hidden: list[int] = field(default_factory=lambda: [128])
+
+
+@dataclass
+class CNNConf(ModelConf):
+    name: str = "cnn"
+    channels: list[int] = field(default_factory=lambda: [32, 64])
+    hidden: int = 128
+    norm: Norm = Norm.none
+
+
+@dataclass
+class ResNet18Conf(ModelConf):
+    name: str = "resnet18"
+    width: int = 64
+    norm: Norm = Norm.batch
+
+
+@dataclass
+class LSTMConf(ModelConf):
+    name: str = "lstm"
+    embed_dim: int = 8
+    hidden: int = 256
+    num_layers: int = 2
+
+
+# ---------------------------------------------------------------- engine, logger, top level
+
+
+class EngineName(StrEnum):
+    inline = "inline"
+    ray = "ray"
+
+
+class NonFinitePolicy(StrEnum):
+    fail = "fail"
+    skip = "skip"
+
+
+@dataclass
+class EngineConf:
+    name: EngineName = EngineName.inline
+    num_workers: int | None = None  # inline: 1; ray: what Ray sees (GPUs, else CPUs)
+    device: str = "auto"  # auto = cuda if available, else cpu
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float | None = None  # None: 1 / (workers per GPU) when a GPU is present
+    threads_per_worker: int | None = None  # torch intra-op threads (None: cpus_per_worker, min 1)
+    state_store: str = "memory"
+    state_dir: str | None = None
+    nonfinite: NonFinitePolicy = NonFinitePolicy.fail
+
+
+@dataclass
+class LoggerConf:
+    progress: bool = True
+    wandb: bool = False
+    wandb_project: str = "fl_platform"
+    wandb_mode: str = "offline"  # offline needs no network and no API key
+    log_every: int = 1
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    rounds: int = 30
+    num_clients: int = 100
+    clients_per_round: int = 10
+    eval_every: int = 1
+    eval_batch_size: int = 1024
+    save_model: bool = True
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dataset: DatasetConf = MISSING
+    partition: PartitionConf = MISSING
+    model: ModelConf = MISSING
+    algorithm: Any = MISSING
+    engine: EngineConf = field(default_factory=EngineConf)
+    logger: LoggerConf = field(default_factory=LoggerConf)
+
+
+GROUP_SCHEMAS: dict[str, dict[str, type]] = {
+    "dataset": {"digits": DigitsConf, "synthetic": SyntheticConf, "mnist": MNISTConf,
+                "fashion_mnist": FashionMNISTConf, "cifar10": CIFAR10Conf, "cifar100": CIFAR100Conf,
+                "femnist": FEMNISTConf, "shakespeare": ShakespeareConf},
+    "partition": {"iid": IIDConf, "dirichlet": DirichletConf, "shards": ShardsConf,
+                  "power_law": PowerLawConf, "natural": NaturalConf},
+    "model": {"mlp": MLPConf, "cnn": CNNConf, "resnet18": ResNet18Conf, "lstm": LSTMConf},
+}
+
+
+def register_configs() -> None:
+    """Register the schema of every group option as ``<group>/schema_<option>``."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, options in GROUP_SCHEMAS.items():
+        for option, schema in options.items():
+            cs.store(group=group, name=f"schema_{option}", node=schema)
+    for name in algorithm_names():
+        cs.store(group="algorithm", name=f"schema_{name}", node=get_algorithm(name).conf)
+
+
+def options_of(node: Any, exclude: tuple[str, ...] = ("name",)) -> dict[str, Any]:
+    """The fields of a group node except ``exclude``, as plain Python values."""
+    from omegaconf import DictConfig, OmegaConf
+
+    data = OmegaConf.to_container(node, resolve=True, enum_to_str=True) if isinstance(node, DictConfig) else dict(vars(node))
+    return {k: (v.value if isinstance(v, Enum) else v) for k, v in data.items() if k not in exclude}

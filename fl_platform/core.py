@@ -1,0 +1,153 @@
+"""Messages that travel between the server half and the client half of an algorithm.
+
+The same dataclasses are used by the inline engine, the Ray workers and the Flower apps, so
+an algorithm is written once against them (DESIGN.md section 9).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """Everything a round needs to know, frozen so no part changes it half-way."""
+
+    round: int
+    seed: int
+    clients: tuple[int, ...]
+    num_rounds: int
+    num_clients: int
+
+
+@dataclass
+class Broadcast:
+    """What the server sends every sampled client this round, built once, shipped once per worker.
+
+    ``tensors`` always holds ``weights`` (the flat global model vector); ``scalars`` holds round-level
+    settings; ``per_client`` holds settings that differ by client (e.g. BAOW's keep ratio).
+    """
+
+    tensors: Tensors
+    scalars: dict[str, float] = field(default_factory=dict)
+    per_client: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def to(self, device: torch.device | str) -> Broadcast:
+        return Broadcast({k: v.to(device) for k, v in self.tensors.items()}, dict(self.scalars),
+                         {c: dict(v) for c, v in self.per_client.items()})
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@dataclass
+class Metrics:
+    """Metrics carry their own weight: (sum, count) pairs combine exactly across clients and workers."""
+
+    values: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, name: str, total: float, count: float = 1.0) -> None:
+        entry = self.values.setdefault(name, [0.0, 0.0])
+        entry[0] += float(total)
+        entry[1] += float(count)
+
+    def merge(self, other: Metrics) -> Metrics:
+        for name, (total, count) in other.values.items():
+            self.add(name, total, count)
+        return self
+
+    def mean(self, name: str) -> float:
+        total, count = self.values[name]
+        return total / count if count else float("nan")
+
+    def means(self) -> dict[str, float]:
+        return {name: self.mean(name) for name in self.values}
+
+    def sums(self) -> dict[str, float]:
+        return {name: total for name, (total, _) in self.values.items()}
+
+
+@dataclass
+class ClientUpdate:
+    """One client's result.
+
+    ``tensors`` and ``weights`` form the contribution: in summable mode the worker adds every
+    tensor and every weight into its running sums (the algorithm scales tensors itself, e.g.
+    FedAvg sends ``n_k * delta`` and weight ``n = n_k``), so the server sees only sums.
+    ``state`` is the client's new persistent state (saved by the worker, never sent to the server).
+    """
+
+    client_id: int
+    tensors: Tensors
+    weights: dict[str, float]
+    num_samples: int
+    metrics: Metrics = field(default_factory=Metrics)
+    state: Tensors | None = None
+    bytes_up: int = 0
+
+    def is_finite(self) -> bool:
+        return all(bool(torch.isfinite(t).all()) for t in self.tensors.values())
+
+
+@dataclass
+class Aggregate:
+    """A running sum of contributions (float64, so the result does not depend on grouping)."""
+
+    tensors: Tensors = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+    count: int = 0
+
+    def add(self, tensors: Mapping[str, torch.Tensor], weights: Mapping[str, float]) -> None:
+        for name, t in tensors.items():
+            acc = self.tensors.get(name)
+            if acc is None:
+                self.tensors[name] = t.detach().to(torch.float64, copy=True)
+            else:
+                acc.add_(t.detach().to(torch.float64))
+        for name, w in weights.items():
+            self.weights[name] = self.weights.get(name, 0.0) + float(w)
+        self.count += 1
+
+    def add_update(self, update: ClientUpdate) -> None:
+        self.add(update.tensors, update.weights)
+
+    def merge(self, other: Aggregate) -> Aggregate:
+        self.add(other.tensors, other.weights)
+        self.count += other.count - 1
+        return self
+
+    def to(self, device: torch.device | str) -> Aggregate:
+        return Aggregate({k: v.to(device) for k, v in self.tensors.items()}, dict(self.weights), self.count)
+
+    @staticmethod
+    def reduce(parts: Iterable[Aggregate]) -> Aggregate:
+        """Sum partial aggregates in the given (worker-id) order."""
+        total = Aggregate()
+        for part in parts:
+            if part.count:
+                total.merge(part.to("cpu"))
+        return total
+
+
+def as_config(value: Any) -> dict[str, Any]:
+    """A plain dict from a dataclass / OmegaConf node / mapping (for frozen hyperparameters)."""
+    from dataclasses import asdict, is_dataclass
+
+    if value is None:
+        return {}
+    if is_dataclass(value):
+        return asdict(value)
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(value, DictConfig):
+            return OmegaConf.to_container(value, resolve=True)  # type: ignore[return-value]
+    except ImportError:  # pragma: no cover
+        pass
+    return dict(value)

@@ -1,0 +1,1 @@
+"""Simulation engine: workers that train many clients each, scheduling, the round loop."""

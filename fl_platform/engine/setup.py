@@ -1,0 +1,63 @@
+"""Everything a worker needs to train clients, in one picklable value.
+
+The engine ships it once per worker (for Ray through the object store), so the dataset tensors
+travel once per run, never per round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fl_platform.algorithms.base import AlgorithmConf, Setup
+from fl_platform.datasets.federated import FederatedDataset
+from fl_platform.models import build_model
+from fl_platform.training.loop import TrainConfig
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` means CUDA when available, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device!r} was requested but CUDA is not available; use device=auto or cpu")
+    return dev
+
+
+@dataclass(frozen=True)
+class ModelFactory:
+    """Builds the experiment's model by name (picklable, unlike a closure)."""
+
+    name: str
+    input_shape: tuple[int, ...]
+    num_classes: int
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self) -> nn.Module:
+        return build_model(self.name, self.input_shape, self.num_classes, **self.options)
+
+
+@dataclass
+class ExperimentSetup:
+    dataset: FederatedDataset
+    model: ModelFactory
+    algorithm: str
+    algorithm_conf: AlgorithmConf
+    train: TrainConfig
+    seed: int
+    device: str = "auto"
+    state_store: str = "memory"
+    state_options: dict[str, Any] = field(default_factory=dict)
+    nonfinite: str = "fail"  # "fail" the run or "skip" the client, logged either way
+    threads: int | None = None  # torch intra-op threads per worker (None: leave torch's default)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def algorithm_setup(self, num_params: int, num_buffers: int) -> Setup:
+        return Setup(model_fn=self.model, num_params=num_params, num_buffers=num_buffers,
+                     num_classes=self.dataset.num_classes, input_shape=tuple(self.dataset.input_shape),
+                     num_clients=self.dataset.num_clients, seed=self.seed, train=self.train,
+                     extra=dict(self.extra))

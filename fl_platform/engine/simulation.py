@@ -1,0 +1,128 @@
+"""The server's round loop, shared by every engine.
+
+Per round: sample clients from (seed, round), build the broadcast once, let the engine train
+the clients on its workers, reduce the partial aggregates in worker-id order, apply the
+algorithm's server step, evaluate every ``eval_every`` rounds, and log one metrics row.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fl_platform.algorithms.base import ServerAlgorithm
+from fl_platform.core import Aggregate, ClientUpdate, Metrics, RoundContext
+from fl_platform.datasets.federated import FederatedDataset
+from fl_platform.engine.base import Engine
+from fl_platform.engine.sampling import sample_clients
+from fl_platform.outputs import MetricsLog
+from fl_platform.reporting import Reporter
+from fl_platform.training.flat import FlatModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopConfig:
+    seed: int
+    rounds: int
+    clients_per_round: int
+    eval_every: int = 1
+    eval_batch_size: int = 1024
+
+
+class Simulation:
+    def __init__(self, loop: LoopConfig, data: FederatedDataset, server: ServerAlgorithm, engine: Engine,
+                 eval_model: FlatModel, metrics: MetricsLog | None = None, reporter: Reporter | None = None) -> None:
+        self.loop = loop
+        self.server = server
+        self.engine = engine
+        self.eval_model = eval_model
+        self.test_x = data.test_x.to(eval_model.device)
+        self.test_y = data.test_y.to(eval_model.device)
+        self.num_clients = data.num_clients
+        self.metrics = metrics
+        self.reporter = reporter
+        self.history: list[dict[str, Any]] = []
+        self.start_round = 0
+
+    def evaluate(self) -> dict[str, float]:
+        return self.server.evaluate(self.eval_model, self.test_x, self.test_y, self.loop.eval_batch_size)
+
+    def run_round(self, r: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        clients = sample_clients(self.loop.seed, r, self.num_clients, self.loop.clients_per_round)
+        ctx = RoundContext(round=r, seed=self.loop.seed, clients=clients, num_rounds=self.loop.rounds,
+                           num_clients=self.num_clients)
+        broadcast = self.server.broadcast(ctx)
+        results = sorted(self.engine.run_round(ctx, broadcast), key=lambda res: res.worker_id)
+        metrics = Metrics()
+        rejected: dict[int, str] = {}
+        for res in results:
+            metrics.merge(res.metrics)
+            rejected.update(res.rejected)
+        if self.server.summable:
+            combined: Aggregate | list[ClientUpdate] = Aggregate.reduce(res.aggregate for res in results)
+        else:
+            combined = sorted((u for res in results for u in res.updates), key=lambda u: u.client_id)
+        extra = self.server.aggregate(ctx, combined)
+        round_seconds = time.perf_counter() - t0
+        row: dict[str, Any] = {
+            "round": r + 1,
+            "num_clients": len(clients) - len(rejected),
+            "bytes_up": sum(res.bytes_up for res in results),
+            "bytes_down": sum(res.bytes_down for res in results),
+            "round_time_s": round_seconds,
+            **{k: v for k, v in metrics.means().items() if k != "local_steps"},
+            **extra,
+            **self.engine.round_stats(),
+        }
+        if rejected:
+            row["rejected_clients"] = sorted(rejected)
+        if (r + 1) % self.loop.eval_every == 0 or r + 1 == self.loop.rounds:
+            t1 = time.perf_counter()
+            row.update(self.evaluate())
+            row["eval_time_s"] = time.perf_counter() - t1
+        return row
+
+    def run(self) -> dict[str, Any]:
+        wall0 = time.perf_counter()
+        offset = self.history[-1]["wall_time_s"] if self.history else 0.0
+        for r in range(self.start_round, self.loop.rounds):
+            row = self.run_round(r)
+            row["wall_time_s"] = offset + time.perf_counter() - wall0
+            for key in ("test_accuracy", "test_loss", "train_loss"):
+                value = row.get(key)
+                if value is not None and not torch.isfinite(torch.tensor(value)):
+                    log.warning("round %d: %s is %s", r + 1, key, value)
+            self.history.append(row)
+            if self.metrics is not None:
+                self.metrics.append(row)
+            if self.reporter is not None:
+                self.reporter.round_done(row)
+            self.after_round(r)
+        return self.summary()
+
+    def after_round(self, r: int) -> None:
+        """Extension point (checkpointing)."""
+
+    def summary(self) -> dict[str, Any]:
+        evals = [row for row in self.history if "test_accuracy" in row]
+        times = [row["round_time_s"] for row in self.history]
+        last = evals[-1] if evals else {}
+        return {
+            "rounds": len(self.history),
+            "final_test_accuracy": last.get("test_accuracy"),
+            "final_test_loss": last.get("test_loss"),
+            "best_test_accuracy": max((row["test_accuracy"] for row in evals), default=None),
+            "wall_time_s": self.history[-1]["wall_time_s"] if self.history else 0.0,
+            "first_round_s": times[0] if times else None,
+            "median_round_s": statistics.median(times[1:] if len(times) > 1 else times) if times else None,
+            "bytes_up_total": sum(row["bytes_up"] for row in self.history),
+            "bytes_down_total": sum(row["bytes_down"] for row in self.history),
+        }

@@ -1,0 +1,172 @@
+"""Build an experiment from its config and run it: data, model, algorithm, engine, outputs.
+
+Used by the CLI (``fl_platform.run``), by tests and by benchmarks, so that all of them run
+exactly the same code path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from fl_platform.algorithms.registry import get_algorithm
+from fl_platform.config import options_of
+from fl_platform.datasets.federated import FederatedDataset, build_federated_dataset
+from fl_platform.engine.base import Engine
+from fl_platform.engine.setup import ExperimentSetup, ModelFactory, resolve_device
+from fl_platform.engine.simulation import LoopConfig, Simulation
+from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
+from fl_platform.reporting import Reporter
+from fl_platform.seeding import Stream, seed_torch_global
+from fl_platform.training.flat import FlatModel
+from fl_platform.training.loop import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A config value that is well-typed but makes no sense (names the key)."""
+
+
+def enum_value(value: Any) -> Any:
+    return value.value if isinstance(value, Enum) else value
+
+
+def validate(cfg: DictConfig) -> None:
+    checks = [
+        (cfg.rounds >= 1, "rounds", f"must be >= 1, got {cfg.rounds}"),
+        (cfg.num_clients >= 1, "num_clients", f"must be >= 1, got {cfg.num_clients}"),
+        (1 <= cfg.clients_per_round <= cfg.num_clients, "clients_per_round",
+         f"must be in 1..num_clients={cfg.num_clients}, got {cfg.clients_per_round}"),
+        (cfg.eval_every >= 1, "eval_every", f"must be >= 1, got {cfg.eval_every}"),
+        (cfg.train.batch_size >= 1, "train.batch_size", f"must be >= 1, got {cfg.train.batch_size}"),
+        (cfg.train.lr > 0, "train.lr", f"must be > 0, got {cfg.train.lr}"),
+        (cfg.train.epochs >= 1 or cfg.train.steps, "train.epochs", f"must be >= 1, got {cfg.train.epochs}"),
+        (cfg.train.optimizer in ("sgd", "adam"), "train.optimizer",
+         f"must be one of sgd, adam; got {cfg.train.optimizer!r}"),
+    ]
+    if "alpha" in cfg.partition:
+        checks.append((cfg.partition.alpha > 0, "partition.alpha", f"must be > 0, got {cfg.partition.alpha}"))
+    for ok, key, message in checks:
+        if not ok:
+            raise ConfigError(f"{key} {message}")
+
+
+def train_config(cfg: DictConfig) -> TrainConfig:
+    return TrainConfig(**OmegaConf.to_container(cfg.train, resolve=True))
+
+
+def algorithm_conf(cfg: DictConfig):
+    spec = get_algorithm(cfg.algorithm.name)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(spec.conf), cfg.algorithm))
+
+
+def load_data(cfg: DictConfig) -> FederatedDataset:
+    ds = cfg.dataset
+    return build_federated_dataset(
+        ds.name, num_clients=cfg.num_clients, partition_name=cfg.partition.name, seed=cfg.seed,
+        root=ds.root, download=ds.download,
+        source_options=options_of(ds, exclude=("name", "root", "download")),
+        partition_options=options_of(cfg.partition),
+    )
+
+
+def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
+    model = ModelFactory(cfg.model.name, tuple(data.input_shape), data.num_classes, options_of(cfg.model))
+    if data.vocab is not None and cfg.model.name == "lstm":
+        model = ModelFactory(model.name, model.input_shape, model.num_classes,
+                             {**model.options, "vocab_size": len(data.vocab)})
+    engine = cfg.engine
+    threads = engine.threads_per_worker or max(1, int(engine.cpus_per_worker))
+    return ExperimentSetup(
+        dataset=data, model=model, algorithm=cfg.algorithm.name, algorithm_conf=algorithm_conf(cfg),
+        train=train_config(cfg), seed=cfg.seed, device=engine.device, state_store=engine.state_store,
+        state_options={"directory": engine.state_dir} if engine.state_dir else {},
+        nonfinite=enum_value(engine.nonfinite),
+        threads=threads if enum_value(engine.name) == "ray" else None,
+    )
+
+
+def make_engine(cfg: DictConfig, setup: ExperimentSetup) -> Engine:
+    name = enum_value(cfg.engine.name)
+    if name == "inline":
+        from fl_platform.engine.inline import InlineEngine
+
+        return InlineEngine(setup, num_workers=cfg.engine.num_workers or 1)
+    if name == "ray":
+        from fl_platform.engine.ray_engine import RayEngine
+
+        return RayEngine(setup, cfg.engine)
+    raise ConfigError(f"engine.name must be inline or ray, got {name!r}")
+
+
+@dataclass
+class Experiment:
+    cfg: DictConfig
+    data: FederatedDataset
+    setup: ExperimentSetup
+    simulation: Simulation
+    engine: Engine
+    run_dir: RunDir | None
+
+
+def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter | None = None) -> Experiment:
+    """Everything needed to run ``cfg``; writes config.yaml and partition.npz when ``run_dir`` is given."""
+    validate(cfg)
+    rd = RunDir(run_dir) if run_dir is not None else None
+    data = load_data(cfg)
+    setup = make_setup(cfg, data)
+    if rd is not None:
+        atomic_write_text(rd.config, OmegaConf.to_yaml(cfg, resolve=True))
+        data.partition.save(rd.partition)
+    device = resolve_device(cfg.engine.device)
+    seed_torch_global(cfg.seed, Stream.INIT)
+    eval_model = FlatModel(setup.model(), device)
+    spec = get_algorithm(setup.algorithm)
+    alg_setup = setup.algorithm_setup(eval_model.num_params, eval_model.num_buffers)
+    server = spec.server(setup.algorithm_conf, alg_setup, eval_model.vector.detach().cpu().clone())
+    engine = make_engine(cfg, setup)
+    loop = LoopConfig(seed=cfg.seed, rounds=cfg.rounds, clients_per_round=cfg.clients_per_round,
+                      eval_every=cfg.eval_every, eval_batch_size=cfg.eval_batch_size)
+    sim = Simulation(loop, data, server, engine, eval_model,
+                     metrics=MetricsLog(rd.metrics) if rd is not None else None, reporter=reporter)
+    return Experiment(cfg, data, setup, sim, engine, rd)
+
+
+def run_experiment(cfg: DictConfig, run_dir: Path | str | None = None) -> dict[str, Any]:
+    """Build, run, and write summary.json (and model.pt); returns the summary."""
+    t0 = time.perf_counter()
+    rd = RunDir(run_dir) if run_dir is not None else None
+    reporter = Reporter(cfg.rounds, progress=cfg.logger.progress, wandb=cfg.logger.wandb,
+                        wandb_project=cfg.logger.wandb_project, wandb_mode=cfg.logger.wandb_mode,
+                        run_dir=str(rd.path) if rd else None,
+                        config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+                        log_every=cfg.logger.log_every)
+    summary: dict[str, Any] = {}
+    try:
+        exp = build(cfg, rd.path if rd else None, reporter)
+        setup_s = time.perf_counter() - t0
+        try:
+            summary = exp.simulation.run()
+        finally:
+            exp.engine.close()
+        summary.update({
+            "setup_time_s": setup_s,
+            "algorithm": cfg.algorithm.name, "dataset": cfg.dataset.name, "model": cfg.model.name,
+            "partition": cfg.partition.name, "seed": cfg.seed, "num_clients": cfg.num_clients,
+            "clients_per_round": cfg.clients_per_round,
+            "engine": enum_value(cfg.engine.name),
+        })
+        if rd is not None:
+            if cfg.save_model:
+                atomic_torch_save(exp.simulation.eval_model.state_dict(exp.simulation.server.weights), rd.model)
+            atomic_write_json(rd.summary, summary)
+    finally:
+        reporter.close(summary)
+    return summary

@@ -1,0 +1,106 @@
+"""Run-directory files, written so that no result file is ever left half-written.
+
+Whole files go through a temporary file in the same directory and ``os.replace``; metrics are
+appended one complete JSON line per round (and truncated back to a checkpoint on resume).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+
+def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    _atomic_write(path, lambda fh: fh.write(text.encode()))
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):
+        return value.item()
+    return value
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    atomic_write_text(path, json.dumps(_jsonable(data), indent=2, sort_keys=True) + "\n")
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    _atomic_write(path, lambda fh: torch.save(obj, fh))
+
+
+class MetricsLog:
+    """``metrics.jsonl``: one JSON object per round, appended whole."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        rows = []
+        for line in self.path.read_text().splitlines():
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a torn last line from a killed process
+                break
+        return rows
+
+    def append(self, row: dict[str, Any]) -> None:
+        line = json.dumps(_jsonable(row), sort_keys=True) + "\n"
+        with open(self.path, "a") as fh:
+            fh.write(line)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def truncate_after(self, last_round: int) -> list[dict[str, Any]]:
+        """Keep rows with ``round <= last_round`` (resume: drop rows written after the checkpoint)."""
+        rows = [r for r in self.read() if r.get("round", 0) <= last_round]
+        atomic_write_text(self.path, "".join(json.dumps(_jsonable(r), sort_keys=True) + "\n" for r in rows))
+        return rows
+
+
+class RunDir:
+    """The files of one run: config.yaml, metrics.jsonl, partition.npz, summary.json, checkpoint/."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path).resolve()
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    config = property(lambda self: self.path / "config.yaml")
+    metrics = property(lambda self: self.path / "metrics.jsonl")
+    partition = property(lambda self: self.path / "partition.npz")
+    summary = property(lambda self: self.path / "summary.json")
+    model = property(lambda self: self.path / "model.pt")
+    checkpoint = property(lambda self: self.path / "checkpoint")

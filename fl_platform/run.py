@@ -1,0 +1,49 @@
+"""Command line: ``python -m fl_platform.run key=value ...`` (or the ``fl-run`` console script).
+
+One experiment per call; ``-m`` runs a Hydra sweep, one run directory per job. The last line
+printed is ``run_dir: <path>``; a failed run exits non-zero with the reason on stderr.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from fl_platform.config import register_configs
+
+log = logging.getLogger("fl_platform")
+
+register_configs()
+
+
+def _fail(err: BaseException) -> None:
+    print(f"error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+    if logging.getLogger().isEnabledFor(logging.DEBUG):
+        raise err
+    sys.exit(1)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    from fl_platform.experiment import run_experiment
+
+    run_dir = HydraConfig.get().runtime.output_dir
+    try:
+        summary = run_experiment(cfg, run_dir)
+    except (ValueError, TypeError, KeyError, FileNotFoundError, RuntimeError, FloatingPointError) as err:
+        _fail(err)
+        return None
+    acc = summary.get("final_test_accuracy")
+    best = summary.get("best_test_accuracy")
+    print(f"final test accuracy: {acc:.4f} (best {best:.4f}) after {summary['rounds']} rounds "
+          f"in {summary['wall_time_s']:.1f} s", flush=True)
+    print(f"run_dir: {run_dir}", flush=True)
+    return acc
+
+
+if __name__ == "__main__":
+    main()

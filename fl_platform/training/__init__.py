@@ -1,0 +1,1 @@
+"""The local training loop, its hooks, flat-parameter model views and optimisers."""

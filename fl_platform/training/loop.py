@@ -1,0 +1,157 @@
+"""The shared local training loop: one client, E epochs or S steps, on device tensors.
+
+Minibatches are index slices of tensors already on the device, in an order drawn from the
+client's own (seed, round, client id) generator; there is no DataLoader and no per-client
+copy. The simulator's workers, the Flower ClientApp and the S-SGD baseline all call this.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fl_platform.core import Metrics
+from fl_platform.seeding import Stream, seed_torch_global, torch_generator
+from fl_platform.training.flat import FlatModel
+from fl_platform.training.hooks import Batch, TrainHooks
+from fl_platform.training.optim import FlatOptimizer, make_optimizer
+
+
+class NonFiniteError(FloatingPointError):
+    """A client's loss or update became NaN/inf; names the client and round."""
+
+
+@dataclass
+class TrainConfig:
+    """Local optimisation settings (the ``train`` section of the run config; treat as read-only)."""
+
+    epochs: int = 1
+    steps: int | None = None  # when set: exactly this many minibatch steps, reshuffling each pass
+    batch_size: int = 10
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_norm: float | None = None
+    drop_last: bool = False
+
+    def num_steps(self, num_samples: int) -> int:
+        if self.steps is not None:
+            return self.steps
+        per_epoch = num_samples // self.batch_size if self.drop_last else math.ceil(num_samples / self.batch_size)
+        return self.epochs * max(per_epoch, 0)
+
+
+@dataclass
+class ClientData:
+    """A client's view of the federated dataset: shared device tensors plus its index slice."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    indices: torch.Tensor
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.indices.numel())
+
+
+class LocalTrainer:
+    """Owns one FlatModel and trains it for one client at a time."""
+
+    def __init__(self, fm: FlatModel, cfg: TrainConfig) -> None:
+        self.fm = fm
+        self.cfg = cfg
+        self._optimizers: dict[tuple[int, int], FlatOptimizer] = {}
+
+    def _optimizer_for(self, rng: tuple[int, int]) -> FlatOptimizer:
+        opt = self._optimizers.get(rng)
+        if opt is None:
+            c = self.cfg
+            opt = make_optimizer(c.optimizer, c.lr, momentum=c.momentum, weight_decay=c.weight_decay,
+                                 nesterov=c.nesterov, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
+            self._optimizers[rng] = opt
+        return opt
+
+    def fit(self, data: ClientData, hooks: TrainHooks | None = None, *, seed: int, round: int,
+            client: int, cfg: TrainConfig | None = None) -> Metrics:
+        """Train the live model in place; returns (sum, count) metrics: loss, accuracy, steps.
+
+        Raises NonFiniteError when the loss becomes NaN/inf, naming the client and round.
+        """
+        cfg = cfg or self.cfg
+        hooks = hooks or TrainHooks()
+        fm = self.fm
+        model = fm.model
+        model.train()
+        ranges = fm.trainable_ranges()
+        opts = [(r, self._optimizer_for(r)) for r in ranges]
+        for _, opt in opts:
+            opt.reset()
+        n = data.num_samples
+        total_steps = cfg.num_steps(n)
+        bs = cfg.batch_size
+        gen = torch_generator(seed, Stream.SHUFFLE, round, client)
+        seed_torch_global(seed, Stream.TORCH, round, client)
+        loss_sum = torch.zeros((), device=fm.device)
+        correct = torch.zeros((), device=fm.device, dtype=torch.long)
+        seen = 0
+        step = epoch = 0
+        while step < total_steps and n > 0:
+            order = data.indices[torch.randperm(n, generator=gen).to(data.indices.device)]
+            stop = n - n % bs if cfg.drop_last else n
+            for start in range(0, stop, bs):
+                if step >= total_steps:
+                    break
+                idx = order[start : start + bs]
+                batch = Batch(data.x.index_select(0, idx), data.y.index_select(0, idx), step, epoch)
+                fm.grad.zero_()
+                loss, logits = hooks.loss(model, batch)
+                loss.backward()
+                hooks.before_step(fm)
+                if cfg.clip_norm is not None:
+                    norm = fm.grad.norm()
+                    fm.grad.mul_(torch.clamp(cfg.clip_norm / (norm + 1e-6), max=1.0))
+                for (lo, hi), opt in opts:
+                    opt.step(fm.vector[lo:hi], fm.grad[lo:hi])
+                hooks.after_step(fm, batch)
+                m = idx.numel()
+                loss_sum += loss.detach() * m
+                correct += (logits.detach().argmax(dim=-1) == batch.y).sum()
+                seen += m
+                step += 1
+            epoch += 1
+        metrics = Metrics()
+        total_loss = float(loss_sum)
+        if not math.isfinite(total_loss) or not bool(torch.isfinite(fm.vector).all()):
+            raise NonFiniteError(
+                f"client {client} in round {round}: the training loss became {total_loss} "
+                f"(non-finite) after {step} steps; lower train.lr, enable train.clip_norm, or check the data"
+            )
+        if seen:
+            metrics.add("train_loss", total_loss, seen)
+            metrics.add("train_accuracy", float(correct), seen)
+        metrics.add("local_steps", step, 1)
+        return metrics
+
+
+@torch.inference_mode()
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> dict[str, float]:
+    """Test loss and accuracy with large batched forward passes."""
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
+    correct = torch.zeros((), dtype=torch.long, device=x.device)
+    for start in range(0, x.shape[0], batch_size):
+        xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+        logits = model(xb)
+        loss_sum += torch.nn.functional.cross_entropy(logits, yb, reduction="sum").double()
+        correct += (logits.argmax(dim=-1) == yb).sum()
+    model.train(was_training)
+    n = max(x.shape[0], 1)
+    return {"test_loss": float(loss_sum) / n, "test_accuracy": float(correct) / n}

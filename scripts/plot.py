@@ -1,0 +1,162 @@
+#!/usr/bin/env python
+"""Turn run directories into accuracy plots (PNG) and a markdown table (mean and std over seeds).
+
+    python scripts/plot.py multirun/2026-11-30/12-00-00 --out docs/results/example
+    python scripts/plot.py outputs/*/* --x bytes_up --metric test_accuracy
+
+Each argument is a run directory (holding summary.json) or a folder searched recursively for
+them. Runs that differ only in ``seed`` form one group (one curve, one table row); the label
+lists the config values that differ between groups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+X_AXES = {"round": "round", "bytes_up": "cumulative upload bytes", "bytes_down": "cumulative download bytes",
+          "wall_time_s": "wall time (s)", "simulated_time_s": "simulated time (s)"}
+CUMULATIVE = {"bytes_up", "bytes_down"}
+
+
+def find_runs(paths: list[str]) -> list[Path]:
+    runs: list[Path] = []
+    for p in map(Path, paths):
+        if (p / "summary.json").exists():
+            runs.append(p)
+        elif p.is_dir():
+            runs.extend(sorted(q.parent for q in p.rglob("summary.json")))
+    return runs
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = json.dumps(v) if isinstance(v, list) else v
+    return out
+
+
+def load_run(path: Path) -> dict[str, Any]:
+    config = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").exists() else {}
+    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"path": path, "config": _flatten(config or {}), "summary": json.loads((path / "summary.json").read_text()),
+            "rows": rows}
+
+
+def _short(key: str) -> str:
+    """``algorithm.name`` reads as ``algorithm``; other keys keep their full dotted name."""
+    return key.rsplit(".", 1)[0] if key.endswith(".name") else key
+
+
+def group_runs(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    ignore = {"seed", "logger.progress", "logger.wandb"}
+    keys = sorted({k for r in runs for k in r["config"]} - ignore)
+    varying = [k for k in keys if len({str(r["config"].get(k)) for r in runs}) > 1]
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        label = ", ".join(f"{_short(k)}={r['config'].get(k)}" for k in varying) \
+            or str(r["config"].get("algorithm.name", r["path"].name))
+        groups[label].append(r)
+    return dict(sorted(groups.items()))
+
+
+def _series(run: dict[str, Any], x: str, metric: str) -> tuple[list[float], list[float]]:
+    xs, ys, acc = [], [], 0.0
+    for row in run["rows"]:
+        acc = acc + row.get(x, 0) if x in CUMULATIVE else row.get(x)
+        if row.get(metric) is not None and acc is not None:
+            xs.append(float(acc))
+            ys.append(float(row[metric]))
+    return xs, ys
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return float("nan"), float("nan")
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def table(groups: dict[str, list[dict[str, Any]]]) -> str:
+    lines = ["| runs | seeds | final test accuracy | best test accuracy | rounds |",
+             "|---|---|---|---|---|"]
+    for label, runs in groups.items():
+        final = [r["summary"]["final_test_accuracy"] for r in runs if r["summary"].get("final_test_accuracy") is not None]
+        best = [r["summary"]["best_test_accuracy"] for r in runs if r["summary"].get("best_test_accuracy") is not None]
+        fm, fs = _mean_std(final)
+        bm, bs = _mean_std(best)
+        rounds = sorted({r["summary"]["rounds"] for r in runs})
+        lines.append(f"| {label} | {len(runs)} | {100 * fm:.2f} ± {100 * fs:.2f} | {100 * bm:.2f} ± {100 * bs:.2f} | "
+                     f"{','.join(map(str, rounds))} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(groups: dict[str, list[dict[str, Any]]], out: Path, x: str, metric: str, title: str | None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, runs in groups.items():
+        series = [_series(r, x, metric) for r in runs]
+        series = [s for s in series if s[0]]
+        if not series:
+            continue
+        n = min(len(s[0]) for s in series)
+        xs = np.mean([s[0][:n] for s in series], axis=0)
+        ys = np.array([s[1][:n] for s in series])
+        mean, std = ys.mean(axis=0), ys.std(axis=0)
+        ax.plot(xs, mean, label=f"{label} (n={len(series)})")
+        if len(series) > 1:
+            ax.fill_between(xs, mean - std, mean + std, alpha=0.2)
+    ax.set_xlabel(X_AXES.get(x, x))
+    ax.set_ylabel(metric.replace("_", " "))
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out.with_suffix(".png") if out.suffix else out / f"{metric}_vs_{x}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paths", nargs="+", help="run directories or folders containing them")
+    ap.add_argument("--out", default="plots", help="output folder (or a .png path)")
+    ap.add_argument("--metric", default="test_accuracy")
+    ap.add_argument("--x", default="round", choices=sorted(X_AXES), help="x axis")
+    ap.add_argument("--title", default=None)
+    args = ap.parse_args(argv)
+    paths = find_runs(args.paths)
+    if not paths:
+        print(f"error: no run directories (with summary.json) under {args.paths}", file=sys.stderr)
+        return 1
+    groups = group_runs([load_run(p) for p in paths])
+    out = Path(args.out)
+    png = plot(groups, out, args.x, args.metric, args.title)
+    md = table(groups)
+    table_path = (out.parent if out.suffix else out) / "table.md"
+    table_path.write_text(md)
+    print(md)
+    print(f"plot: {png}\ntable: {table_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

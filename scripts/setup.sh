@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Create .venv (Python >= 3.11) and install fl_platform with its dev tools.
+# Where no NVIDIA GPU is visible, torch is installed first as a CPU build, so that nothing
+# pulls a multi-GB CUDA build. Re-running is cheap: a stamp skips installs that are current.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TORCH_VERSION="${FL_TORCH_VERSION:-2.13.0}"
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+  for cand in python3.13 python3.12 python3.11 python3; do
+    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+      PY="$cand"; break
+    fi
+  done
+fi
+if [ -z "$PY" ]; then
+  echo "error: Python >= 3.11 not found (set PYTHON=/path/to/python3.11)" >&2
+  exit 1
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $("$PY" --version)" >&2
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+
+stamp_now="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ -f .venv/.setup-stamp ] && [ "$(cat .venv/.setup-stamp)" = "$stamp_now" ]; then
+  exit 0
+fi
+
+"$VPY" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
+
+if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "setup: GPU found, installing torch==$TORCH_VERSION (CUDA build)" >&2
+    "$VPY" -m pip install --quiet "torch==$TORCH_VERSION"
+  else
+    echo "setup: no GPU, installing the CPU build of torch==$TORCH_VERSION" >&2
+    # A local/cached CPU wheel (as on our CI machines) is taken as is; otherwise use PyTorch's
+    # CPU index when it is reachable, so PyPI's CUDA build is never pulled.
+    if curl -fsS --max-time 5 -o /dev/null https://download.pytorch.org/whl/cpu/ 2>/dev/null \
+       && ! "$VPY" -m pip download --quiet --no-deps --no-index -d /tmp/fl-torch-probe "torch==$TORCH_VERSION" >/dev/null 2>&1; then
+      "$VPY" -m pip install --quiet "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
+    else
+      "$VPY" -m pip install --quiet "torch==$TORCH_VERSION"
+    fi
+  fi
+fi
+
+echo "setup: installing fl_platform and its dependencies" >&2
+"$VPY" -m pip install --quiet -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+"$VPY" -c "import fl_platform, torch, flwr, ray, hydra" || { echo "error: installation failed" >&2; exit 1; }
+if ! command -v nvidia-smi >/dev/null 2>&1 && "$VPY" -c "import torch,sys; sys.exit(torch.version.cuda is None)"; then
+  echo "warning: a CUDA build of torch is installed on a machine without a GPU" >&2
+fi
+echo "$stamp_now" > .venv/.setup-stamp

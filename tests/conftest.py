@@ -1,0 +1,29 @@
+"""Shared fixtures: compose run configs in-process exactly as the CLI does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig
+
+from fl_platform.config import register_configs
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO / "conf"
+
+register_configs()
+
+
+def compose_config(*overrides: str) -> DictConfig:
+    """The config ``python -m fl_platform.run <overrides>`` would run (progress bar off)."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=["logger.progress=false", *overrides])
+
+
+@pytest.fixture
+def make_config():
+    return compose_config

@@ -1,0 +1,165 @@
+"""The shared training loop: flat views, optimisers equal to torch's, determinism, clear NaN errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fl_platform.training.flat import FlatModel
+from fl_platform.training.hooks import ComposedHooks, GradientCorrectionHook, ProximalHook, TrainHooks
+from fl_platform.training.loop import ClientData, LocalTrainer, NonFiniteError, TrainConfig, evaluate
+from fl_platform.training.optim import FlatAdam, FlatSGD
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _data(n: int = 60, seed: int = 1) -> ClientData:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 5, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    return ClientData(x, y, torch.arange(n))
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"lr": 0.1},
+    {"lr": 0.1, "momentum": 0.9},
+    {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3},
+    {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-4},
+])
+def test_flat_sgd_matches_torch(kwargs):
+    ref, ours = _mlp(), _mlp()
+    fm = FlatModel(ours)
+    opt_ref = torch.optim.SGD(ref.parameters(), **kwargs)
+    opt = FlatSGD(**kwargs)
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    for _ in range(4):
+        opt_ref.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        opt_ref.step()
+        fm.grad.zero_()
+        nn.functional.cross_entropy(ours(x), y).backward()
+        opt.step(fm.params, fm.grad)
+    for p_ref, p in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(p, p_ref, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ours[1].running_mean, ref[1].running_mean)
+
+
+def test_flat_adam_matches_torch():
+    ref, ours = _mlp(), _mlp()
+    fm = FlatModel(ours)
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2, weight_decay=1e-3)
+    opt = FlatAdam(lr=1e-2, weight_decay=1e-3)
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    for _ in range(5):
+        opt_ref.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        opt_ref.step()
+        fm.grad.zero_()
+        nn.functional.cross_entropy(ours(x), y).backward()
+        opt.step(fm.params, fm.grad)
+    for p_ref, p in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_optimizer_state_reset_between_clients():
+    fm = FlatModel(_mlp())
+    trainer = LocalTrainer(fm, TrainConfig(lr=0.1, momentum=0.9, batch_size=8))
+    start = fm.vector.clone()
+    data = _data()
+    trainer.fit(data, seed=0, round=0, client=3)
+    first = fm.vector.clone()
+    fm.load(start)
+    trainer.fit(_data(seed=7), seed=0, round=0, client=4)  # leaves momentum behind
+    fm.load(start)
+    trainer.fit(data, seed=0, round=0, client=3)
+    torch.testing.assert_close(fm.vector, first, rtol=0, atol=0)
+
+
+def test_flat_model_state_dict_roundtrip_and_frozen_ranges():
+    model = _mlp()
+    fm = FlatModel(model)
+    sd = fm.state_dict()
+    assert set(sd) == {k for k, v in model.state_dict().items() if v.is_floating_point()}
+    vec = fm.vector_from_state_dict(sd)
+    torch.testing.assert_close(vec, fm.vector)
+    assert fm.trainable_ranges() == [(0, fm.num_params)]
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    (lo, hi), = fm.trainable_ranges()
+    assert lo == 5 * 16 + 16 and hi == fm.num_params
+
+
+def test_frozen_parameters_do_not_move():
+    model = _mlp()
+    fm = FlatModel(model)
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    LocalTrainer(fm, TrainConfig(lr=0.1, momentum=0.9, weight_decay=1e-2)).fit(_data(), seed=0, round=0, client=0)
+    torch.testing.assert_close(model[0].weight, frozen, rtol=0, atol=0)
+
+
+def test_fit_is_deterministic_and_depends_on_client_and_round():
+    def run(client: int, round: int) -> torch.Tensor:
+        fm = FlatModel(_mlp())
+        LocalTrainer(fm, TrainConfig(lr=0.1, batch_size=7, epochs=2)).fit(_data(), seed=5, round=round, client=client)
+        return fm.vector.clone()
+
+    a, b = run(1, 0), run(1, 0)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, run(2, 0))
+    assert not torch.equal(a, run(1, 1))
+
+
+def test_fit_learns_and_reports_metrics():
+    fm = FlatModel(_mlp())
+    data = _data(200)
+    before = evaluate(fm.model, data.x, data.y)["test_accuracy"]
+    metrics = LocalTrainer(fm, TrainConfig(lr=0.1, epochs=20, batch_size=20)).fit(data, seed=0, round=0, client=0)
+    after = evaluate(fm.model, data.x, data.y)["test_accuracy"]
+    assert after > max(before, 0.85)
+    assert metrics.values["local_steps"][0] == 20 * 10
+    assert metrics.values["train_loss"][1] == 20 * 200
+
+
+def test_steps_mode_runs_exactly_s_steps():
+    fm = FlatModel(_mlp())
+    metrics = LocalTrainer(fm, TrainConfig(lr=0.1, steps=13, batch_size=16)).fit(_data(20), seed=0, round=0, client=0)
+    assert metrics.values["local_steps"][0] == 13
+
+
+def test_nan_loss_raises_error_naming_client_and_round():
+    fm = FlatModel(_mlp())
+    data = _data()
+    data.x[3, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"client 42 in round 7.*non-finite"):
+        LocalTrainer(fm, TrainConfig(lr=0.1)).fit(data, seed=0, round=7, client=42)
+
+
+def test_gradient_clipping_bounds_the_step():
+    fm = FlatModel(_mlp())
+    start = fm.vector.clone()
+    cfg = TrainConfig(lr=1.0, steps=1, batch_size=60, clip_norm=0.01)
+    LocalTrainer(fm, cfg).fit(_data(), seed=0, round=0, client=0)
+    moved = (fm.params - start[: fm.num_params]).norm()
+    assert moved <= 0.01 + 1e-6
+
+
+def test_hooks_compose_and_correct_gradients():
+    fm = FlatModel(_mlp())
+    fm.grad.fill_(1.0)
+    global_params = fm.params.clone() - 2.0
+    hooks = ComposedHooks(ProximalHook(0.5, global_params), GradientCorrectionHook(torch.full_like(fm.grad, 3.0)))
+    hooks.before_step(fm)
+    torch.testing.assert_close(fm.grad, torch.full_like(fm.grad, 1.0 + 0.5 * 2.0 + 3.0))
+
+    class LossA(TrainHooks):
+        def loss(self, model, batch):
+            return super().loss(model, batch)
+
+    with pytest.raises(ValueError, match="only one hook may replace the loss"):
+        ComposedHooks(LossA(), LossA())
