@@ -1,0 +1,100 @@
+"""The common in-memory form of every data source, before partitioning.
+
+Parsers return plain numpy arrays (torch is only needed once the data goes on a device, in
+``federated.py``), so they can be tested and reused without torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class SourceData:
+    """Train and test arrays of one data source plus what the partitioners and models need to know.
+
+    Features are float32 (images N x C x H x W, scaled to [0, 1] then standardised with fixed
+    per-dataset constants) or int64 token ids (text). Labels are int64 class ids.
+    ``train_groups``/``test_groups`` hold a natural group id per sample (writer, speaker, synthetic
+    device), numbered 0..G-1 in sorted order of ``group_names``; None when the source has no groups.
+    """
+
+    train_x: np.ndarray
+    train_y: np.ndarray
+    test_x: np.ndarray
+    test_y: np.ndarray
+    num_classes: int
+    input_shape: tuple[int, ...]
+    name: str
+    train_groups: np.ndarray | None = None
+    test_groups: np.ndarray | None = None
+    vocab: list[str] | None = None
+    group_names: list[str] | None = None
+    class_names: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        self.train_y = np.asarray(self.train_y, dtype=np.int64)
+        self.test_y = np.asarray(self.test_y, dtype=np.int64)
+        self.input_shape = tuple(int(d) for d in self.input_shape)
+        for split, x, y in (("train", self.train_x, self.train_y), ("test", self.test_x, self.test_y)):
+            if len(x) != len(y):
+                raise ValueError(f"{self.name}: {split}_x has {len(x)} rows but {split}_y has {len(y)}")
+            if tuple(x.shape[1:]) != self.input_shape:
+                raise ValueError(
+                    f"{self.name}: {split}_x rows have shape {x.shape[1:]}, not {self.input_shape}"
+                )
+            if len(y) and (y.min() < 0 or y.max() >= self.num_classes):
+                raise ValueError(f"{self.name}: {split} labels outside [0, {self.num_classes})")
+        for split, groups, y in (
+            ("train", self.train_groups, self.train_y),
+            ("test", self.test_groups, self.test_y),
+        ):
+            if groups is not None and len(groups) != len(y):
+                raise ValueError(
+                    f"{self.name}: {split}_groups has {len(groups)} entries for {len(y)} samples"
+                )
+        if self.train_groups is not None:
+            self.train_groups = np.asarray(self.train_groups, dtype=np.int64)
+        if self.test_groups is not None:
+            self.test_groups = np.asarray(self.test_groups, dtype=np.int64)
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train_y)
+
+    @property
+    def num_test(self) -> int:
+        return len(self.test_y)
+
+    @property
+    def has_groups(self) -> bool:
+        return self.train_groups is not None
+
+    @property
+    def num_groups(self) -> int:
+        """Number of natural groups (0 without groups); ids in test may go beyond train's (unseen groups)."""
+        if self.train_groups is None:
+            return 0
+        top = [int(g.max()) + 1 for g in (self.train_groups, self.test_groups) if g is not None and len(g)]
+        return max(top, default=0)
+
+
+def standardize(
+    images: np.ndarray, mean: Sequence[float], std: Sequence[float], normalize: bool = True
+) -> np.ndarray:
+    """Standardise N x C x H x W float32 images in place with fixed per-channel constants.
+
+    Fixed constants (not statistics of whatever subset was loaded) keep a sample's features
+    identical whichever clients, writers or options a run picks.
+    """
+    images = np.asarray(images, dtype=np.float32)
+    if not normalize:
+        return images
+    m = np.asarray(mean, dtype=np.float32).reshape(1, -1, 1, 1)
+    s = np.asarray(std, dtype=np.float32).reshape(1, -1, 1, 1)
+    images -= m
+    images /= s
+    return images

@@ -1,0 +1,129 @@
+"""FederatedDataset: tensors held once, clients as slices of one index tensor, fixed test set."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from fl_platform.datasets.federated import FederatedDataset, build_federated_dataset, default_partition
+from fl_platform.datasets.partition import Partition, iid
+from fl_platform.datasets.paths import data_root
+from fl_platform.datasets.sources.digits import load_digits
+from fl_platform.datasets.sources.synthetic import load_synthetic
+
+
+@pytest.fixture(scope="module")
+def digits_fd() -> FederatedDataset:
+    return build_federated_dataset("digits", 20, "dirichlet", seed=0, partition_options={"alpha": 0.5})
+
+
+def test_client_indices_are_slices_of_one_device_tensor(digits_fd):
+    fd = digits_fd
+    assert fd.num_clients == 20 and fd.client_sizes().sum() == fd.train_x.shape[0] == 1438
+    assert fd.client_sizes().min() >= 10  # dirichlet's default min_size
+    for c in range(fd.num_clients):
+        idx = fd.client_indices(c)
+        assert idx.dtype == torch.int64 and idx.device == fd.train_x.device
+        assert np.array_equal(idx.numpy(), fd.partition.client(c))
+    # One cached tensor, sliced: every client's indices share its storage.
+    ptrs = {fd.client_indices(c).untyped_storage().data_ptr() for c in range(fd.num_clients)}
+    assert len(ptrs) == 1
+    x, y = fd.client_data(3)
+    assert torch.equal(y, fd.train_y[fd.client_indices(3)]) and x.shape[1:] == (1, 8, 8)
+    with pytest.raises(IndexError):
+        fd.client_indices(20)
+
+
+def test_to_moves_tensors_once(digits_fd):
+    moved = digits_fd.to("cpu")
+    assert moved is not digits_fd and moved.device == torch.device("cpu")
+    assert moved._indices is not None and moved._indices.device == torch.device("cpu")
+    assert torch.equal(moved.client_indices(5), digits_fd.client_indices(5))
+    assert (
+        moved.partition is digits_fd.partition and moved.num_classes == 10 and moved.input_shape == (1, 8, 8)
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_to_cuda(digits_fd):
+    moved = digits_fd.to("cuda")
+    assert moved.train_x.is_cuda and moved.client_indices(2).is_cuda
+    assert torch.equal(
+        moved.train_y[moved.client_indices(2)].cpu(), digits_fd.train_y[digits_fd.client_indices(2)]
+    )
+
+
+def test_test_set_is_fixed_across_seeds_and_partitions(digits_fd):
+    reference = load_digits()
+    for seed, name in [(1, "iid"), (2, "shards"), (3, "power_law")]:
+        fd = build_federated_dataset("digits", 10, name, seed=seed)
+        assert torch.equal(fd.test_y, digits_fd.test_y) and torch.equal(fd.test_x, digits_fd.test_x)
+        fd.partition.validate(fd.train_x.shape[0], complete=True)
+    assert np.array_equal(digits_fd.test_y.numpy(), reference.test_y)
+
+
+def test_digits_dirichlet_hundred_clients_is_fast():
+    build_federated_dataset(
+        "digits", 100, "dirichlet", seed=0, partition_options={"alpha": 1.0, "min_size": 2}
+    )
+    start = time.perf_counter()
+    fd = build_federated_dataset(
+        "digits", 100, "dirichlet", seed=1, partition_options={"alpha": 1.0, "min_size": 2}
+    )
+    assert time.perf_counter() - start < 0.5
+    assert fd.num_clients == 100 and fd.client_sizes().min() >= 2
+
+
+def test_synthetic_natural_partition_has_num_clients_clients():
+    fd = build_federated_dataset("synthetic", 12, None, seed=4, source_options={"alpha": 1.0, "beta": 1.0})
+    src = load_synthetic(seed=4, num_clients=12, alpha=1.0, beta=1.0)
+    assert default_partition("synthetic") == "natural" and fd.num_clients == 12
+    assert fd.client_sizes().tolist() == np.bincount(src.train_groups).tolist()
+    assert fd.test_x.shape[0] == src.num_test and fd.input_shape == (60,)
+    for c in (0, 11):
+        assert np.array_equal(fd.client_indices(c).numpy(), np.flatnonzero(src.train_groups == c))
+    other = build_federated_dataset(
+        "synthetic", 12, "dirichlet", seed=4, partition_options={"alpha": 0.3, "min_size": 1}
+    )
+    assert other.num_clients == 12 and other.train_x.shape == fd.train_x.shape
+
+
+def test_from_source_and_saved_partition_round_trip(tmp_path):
+    src = load_digits()
+    part = iid(src.train_y, 7, seed=9)
+    fd = FederatedDataset.from_source(src, Partition.load(part.save(tmp_path / "p.npz")))
+    assert fd.partition == part and fd.name == "digits"
+    assert np.shares_memory(fd.train_x.numpy(), src.train_x)  # zero-copy wrap of the numpy arrays
+    with pytest.raises(ValueError, match="outside"):
+        FederatedDataset.from_source(src, Partition(np.array([0, 10**6]), np.array([0, 2])))
+
+
+def test_bad_names_give_clear_errors():
+    with pytest.raises(ValueError, match=r"unknown dataset source 'cifar11'.*valid names"):
+        build_federated_dataset("cifar11", 10, "iid", seed=0)
+    with pytest.raises(ValueError, match=r"unknown partitioner 'pathological'.*shards"):
+        build_federated_dataset("digits", 10, "pathological", seed=0)
+    with pytest.raises(ValueError, match=r"'natural' needs natural groups.*'digits'"):
+        build_federated_dataset("digits", 10, "natural", seed=0)
+    with pytest.raises(TypeError, match="alpah"):
+        build_federated_dataset("digits", 10, "dirichlet", seed=0, partition_options={"alpah": 0.1})
+    with pytest.raises(ValueError, match=r"num_clients=5000 is more than the 1438 samples"):
+        build_federated_dataset("digits", 5000, "iid", seed=0)
+
+
+def test_real_femnist_and_shakespeare_natural_clients():
+    root = data_root()
+    if not (root / "femnist-leaf").is_dir() or not (root / "tiny-shakespeare").is_dir():
+        pytest.skip("real FEMNIST / tiny Shakespeare not present")
+    # Options left None (as config files write them) still load only the clients asked for.
+    fem = build_federated_dataset("femnist", 4, None, seed=0, source_options={"max_writers": None})
+    assert fem.num_clients == 4 and fem.num_classes == 62 and fem.test_x.shape[0] > 0
+    assert fem.train_x.shape[0] == fem.client_sizes().sum()
+    shk = build_federated_dataset("shakespeare", 6, None, seed=0, source_options={"max_speakers": None})
+    assert shk.train_x.shape[0] == shk.client_sizes().sum()
+    assert shk.num_clients == 6 and shk.vocab is not None and shk.train_x.dtype == torch.int64
+    assert (shk.client_sizes() > 0).all()
+    with pytest.raises(ValueError, match="more than the"):
+        build_federated_dataset("shakespeare", 5000, None, seed=0)
