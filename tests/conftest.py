@@ -27,3 +27,21 @@ def compose_config(*overrides: str) -> DictConfig:
 @pytest.fixture
 def make_config():
     return compose_config
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for the whole test session (2 CPUs, no dashboard), reused.
+
+    Never shut down here or in tests: other tests and RayEngine reuse the running instance.
+    """
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            ignore_reinit_error=True,
+        )
+    return ray
