@@ -224,14 +224,18 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
 
 
 def register_configs() -> None:
-    """Register the schema of every group option as ``<group>/schema_<option>``."""
+    """Register the schema of every group option as ``schema/<group>/<option>``.
+
+    The schemas live outside the option groups so that Hydra's "available options" lists only
+    the YAML options; each YAML extends its schema with ``- /schema/<group>/<option>@_here_``.
+    """
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, options in GROUP_SCHEMAS.items():
         for option, schema in options.items():
-            cs.store(group=group, name=f"schema_{option}", node=schema)
+            cs.store(group=f"schema/{group}", name=option, node=schema)
     for name in algorithm_names():
-        cs.store(group="algorithm", name=f"schema_{name}", node=get_algorithm(name).conf)
+        cs.store(group="schema/algorithm", name=name, node=get_algorithm(name).conf)
 
 
 def options_of(node: Any, exclude: tuple[str, ...] = ("name",)) -> dict[str, Any]:

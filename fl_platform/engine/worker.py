@@ -74,7 +74,7 @@ class Worker:
             try:
                 update = self.client.train(ctx, cid, bc, state, self.client_data(cid), self.trainer)
                 if not update.is_finite():
-                    raise NonFiniteError(f"client {cid} in round {ctx.round}: its update contains NaN/inf")
+                    raise NonFiniteError(f"client {cid} in round {ctx.round + 1}: its update contains NaN/inf")
             except NonFiniteError as err:
                 if self.setup.nonfinite != "skip":
                     raise

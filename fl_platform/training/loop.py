@@ -82,6 +82,7 @@ class LocalTrainer:
             client: int, cfg: TrainConfig | None = None) -> Metrics:
         """Train the live model in place; returns (sum, count) metrics: loss, accuracy, steps.
 
+        ``round`` is the 0-based round index (the RNG key); messages show it 1-based like metrics.jsonl.
         Raises NonFiniteError when the loss becomes NaN/inf, naming the client and round.
         """
         cfg = cfg or self.cfg
@@ -130,7 +131,7 @@ class LocalTrainer:
         total_loss = float(loss_sum)
         if not math.isfinite(total_loss) or not bool(torch.isfinite(fm.vector).all()):
             raise NonFiniteError(
-                f"client {client} in round {round}: the training loss became {total_loss} "
+                f"client {client} in round {round + 1}: the training loss became {total_loss} "
                 f"(non-finite) after {step} steps; lower train.lr, enable train.clip_norm, or check the data"
             )
         if seen:
