@@ -59,10 +59,23 @@ def _short(key: str) -> str:
     return key.rsplit(".", 1)[0] if key.endswith(".name") else key
 
 
+def _implied_by_name(key: str, runs: list[dict[str, Any]], varying: list[str]) -> bool:
+    """``algorithm.mu`` adds nothing to a label that has ``algorithm`` when it is fixed per algorithm."""
+    group = key.rsplit(".", 1)[0]
+    name_key = f"{group}.name"
+    if key == name_key or name_key not in varying:
+        return False
+    per_name: dict[str, set[str]] = defaultdict(set)
+    for r in runs:
+        per_name[str(r["config"].get(name_key))].add(str(r["config"].get(key)))
+    return all(len(values) == 1 for values in per_name.values())
+
+
 def group_runs(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     ignore = {"seed", "logger.progress", "logger.wandb"}
     keys = sorted({k for r in runs for k in r["config"]} - ignore)
     varying = [k for k in keys if len({str(r["config"].get(k)) for r in runs}) > 1]
+    varying = [k for k in varying if not _implied_by_name(k, runs, varying)]
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         label = ", ".join(f"{_short(k)}={r['config'].get(k)}" for k in varying) \

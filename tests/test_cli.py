@@ -1,0 +1,83 @@
+"""The CLI contract: last line `run_dir: <path>`, the run-directory files, sweeps, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, cwd: Path = REPO, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+    flags = [a for a in args if a.startswith("-")]  # Hydra wants -m before the overrides
+    overrides = [a for a in args if not a.startswith("-")]
+    return subprocess.run([sys.executable, "-m", "fl_platform.run", *flags, "logger.progress=false", *overrides],
+                          cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_run_writes_the_run_directory(tmp_path):
+    proc = run_cli("rounds=3", "eval_every=2", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last == f"run_dir: {tmp_path / 'run'}"
+    run_dir = Path(last.split(": ", 1)[1])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("final_test_accuracy", "best_test_accuracy", "rounds", "wall_time_s"):
+        assert key in summary
+    assert summary["rounds"] == 3
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        for key in ("train_loss", "num_clients", "bytes_up", "bytes_down", "wall_time_s"):
+            assert key in row
+    assert "test_accuracy" in rows[1] and "test_accuracy" in rows[2] and "test_accuracy" not in rows[0]
+    assert (run_dir / "config.yaml").exists() and (run_dir / "partition.npz").exists()
+    from fl_platform.datasets.partition import Partition
+
+    assert Partition.load(run_dir / "partition.npz").num_clients == 100
+
+
+def test_sweep_makes_one_run_dir_per_job_and_plot_turns_them_into_a_figure_and_table(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli("-m", "algorithm=fedavg,fedprox,scaffold", "seed=0,1", "rounds=2",
+                   f"hydra.sweep.dir={sweep}", timeout=400)
+    assert proc.returncode == 0, proc.stderr
+    summaries = sorted(sweep.rglob("summary.json"))
+    assert len(summaries) == 6
+    assert len({p.parent for p in summaries}) == 6
+    out = tmp_path / "plots"
+    plot = subprocess.run([sys.executable, str(REPO / "scripts" / "plot.py"), str(sweep), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 0, plot.stderr
+    assert (out / "test_accuracy_vs_round.png").stat().st_size > 1000
+    table = (out / "table.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| algorithm=")]
+    assert len(rows) == 3
+    assert all("| 2 |" in row for row in rows)  # two seeds per algorithm
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["algorithm=fedavgx"], ["Could not find 'algorithm/fedavgx'", "fedavg", "scaffold"]),
+    (["dataset=mnistx"], ["Could not find 'dataset/mnistx'", "digits"]),
+    (["algorithm.mux=1"], ["Key 'mux' not in 'FedAvgConf'"]),
+    (["rounds=abc"], ["rounds", "could not be converted to Integer"]),
+    (["dataset=fashion_mnist", "dataset.root=/nonexistent/fl-data"], ["fashion_mnist", "/nonexistent/fl-data",
+                                                                       "FL_DATA_ROOT"]),
+    (["partition.alpha=0"], ["partition.alpha must be > 0"]),
+    (["partition.alpha=-1"], ["partition.alpha must be > 0"]),
+    (["num_clients=5000"], ["num_clients=5000", "1438 samples"]),
+    (["train.lr=1e30", "rounds=2"], ["non-finite", "client", "round 1", "train.lr"]),
+    (["clients_per_round=500"], ["clients_per_round"]),
+])
+def test_bad_input_fails_with_a_clear_message(args, expected, tmp_path):
+    proc = run_cli(*args, f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode != 0
+    for text in expected:
+        assert text in proc.stderr, f"{text!r} not in stderr:\n{proc.stderr}"
+    assert not (tmp_path / "run" / "summary.json").exists()
