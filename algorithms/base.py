@@ -126,3 +126,9 @@ class AlgorithmSpec:
     client: type[ClientAlgorithm]
     server: type[ServerAlgorithm]
     summary: str
+    #: Number of model outputs given (conf, num_classes); None = num_classes. VHL's 2C-way head
+    #: uses it, so the model factory stays generic (``Setup.num_classes`` stays the real C).
+    model_outputs: Callable[[AlgorithmConf, int], int] | None = None
+
+    def num_model_outputs(self, conf: AlgorithmConf, num_classes: int) -> int:
+        return num_classes if self.model_outputs is None else int(self.model_outputs(conf, num_classes))

@@ -10,6 +10,8 @@ _MODULES = {
     "fedavg": "fl_platform.algorithms.fedavg",
     "fedprox": "fl_platform.algorithms.fedprox",
     "scaffold": "fl_platform.algorithms.scaffold",
+    "fedimpro": "fl_platform.algorithms.fedimpro",
+    "vhl": "fl_platform.algorithms.vhl",
 }
 
 

@@ -78,7 +78,8 @@ def load_data(cfg: DictConfig) -> FederatedDataset:
 
 
 def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
-    model = ModelFactory(cfg.model.name, tuple(data.input_shape), data.num_classes, options_of(cfg.model))
+    outputs = get_algorithm(cfg.algorithm.name).num_model_outputs(algorithm_conf(cfg), data.num_classes)
+    model = ModelFactory(cfg.model.name, tuple(data.input_shape), outputs, options_of(cfg.model))
     if data.vocab is not None and cfg.model.name == "lstm":
         model = ModelFactory(model.name, model.input_shape, model.num_classes,
                              {**model.options, "vocab_size": len(data.vocab)})
