@@ -105,6 +105,13 @@ class ServerAlgorithm:
         fm.load(self.weights.to(fm.device))
         return evaluate(fm.model, x, y, batch_size)
 
+    def attach_data(self, data: Any) -> None:
+        """Called once by the runtime with the run's FederatedDataset; the default ignores it.
+
+        For server halves that use server-side data (e.g. one-shot distillation on a held-out
+        split that no client trains on). Never use the test set here: evaluation owns it.
+        """
+
     def apply_mean_delta(self, agg: Aggregate, name: str = "delta", weight: str = "n") -> None:
         total = agg.weights.get(weight, 0.0)
         if total <= 0 or name not in agg.tensors:

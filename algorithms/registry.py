@@ -10,6 +10,12 @@ _MODULES = {
     "fedavg": "fl_platform.algorithms.fedavg",
     "fedprox": "fl_platform.algorithms.fedprox",
     "scaffold": "fl_platform.algorithms.scaffold",
+    "oneshot_fedavg": "fl_platform.algorithms.oneshot.fedavg",
+    "oneshot_ensemble": "fl_platform.algorithms.oneshot.ensemble",
+    "oneshot_feddf": "fl_platform.algorithms.oneshot.feddf",
+    "oneshot_dense": "fl_platform.algorithms.oneshot.dense",
+    "oneshot_coboost": "fl_platform.algorithms.oneshot.coboost",
+    "fusefl": "fl_platform.algorithms.fusefl",
     "fedimpro": "fl_platform.algorithms.fedimpro",
     "vhl": "fl_platform.algorithms.vhl",
 }

@@ -1,0 +1,140 @@
+"""FedDF-style ensemble distillation (card method C) on unlabelled server data.
+
+The student starts as the one-shot FedAvg model (``student_init: fedavg``; ``fresh`` builds a
+new model, as for heterogeneous architectures) and is distilled towards the averaged client
+logits on the server's held-out split U, which no client trained on:
+L = T^2 KL(softmax(f_E(x)/T) || softmax(s(x)/T)), T = 1, Adam (lr 1e-3) with cosine decay over
+``steps``. Every ``eval_every`` steps the student is scored on a labelled validation part of
+the server split; training stops after ``patience`` steps without a gain and the best student
+is kept. That validation set is labelled server data, as the card flags: ``val_fraction: 0``
+disables it (no early stopping, the last student is kept).
+
+The teachers' logits on U are computed once (no augmentation), so a step costs one student
+forward/backward. Card defaults: 10,000 steps, batch 128, early stop after 1,000; the results
+script scales the steps down for CPU and says so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from fl_platform.algorithms.base import AlgorithmSpec
+from fl_platform.algorithms.oneshot.distill import combine_logits, kd_loss, predict_logits
+from fl_platform.algorithms.oneshot.protocol import (
+    OneShotClient,
+    OneShotConf,
+    OneShotServer,
+    build_module,
+    fresh_vector,
+)
+
+from fl_platform.core import RoundContext
+from fl_platform.seeding import Stream, seed_torch_global, torch_generator
+from fl_platform.training.flat import model_vector
+
+_FEDDF = 0x46444446  # "FDDF": stream key of the distillation batches
+
+
+@dataclass
+class FedDFConf(OneShotConf):
+    name: str = "oneshot_feddf"
+    steps: int = 10000
+    batch_size: int = 128
+    lr: float = 1e-3
+    temperature: float = 1.0
+    eval_every: int = 100
+    patience: int = 1000  # steps without a validation gain before stopping (0: never stop early)
+    val_fraction: float = 0.2  # labelled share of the server split used for early stopping (0: none)
+    student_init: str = "fedavg"  # fedavg or fresh
+
+
+def split_server_data(num: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unlabelled positions, validation positions) within the server split, seeded."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"algorithm.val_fraction must be in [0, 1), got {val_fraction}")
+    order = torch.randperm(num, generator=torch_generator(seed, Stream.ALGORITHM, _FEDDF, 1))
+    n_val = round(val_fraction * num)
+    return order[n_val:].sort().values, order[:n_val].sort().values
+
+
+class FedDFServer(OneShotServer):
+    def __init__(self, cfg: FedDFConf, setup, initial_weights) -> None:
+        checks = [(cfg.steps >= 0, "steps", cfg.steps), (cfg.batch_size >= 1, "batch_size", cfg.batch_size),
+                  (cfg.lr > 0, "lr", cfg.lr), (cfg.temperature > 0, "temperature", cfg.temperature),
+                  (cfg.eval_every >= 1, "eval_every", cfg.eval_every), (cfg.patience >= 0, "patience", cfg.patience),
+                  (cfg.student_init in ("fedavg", "fresh"), "student_init", cfg.student_init),
+                  (cfg.server_fraction > 0, "server_fraction", cfg.server_fraction)]
+        for ok, key, value in checks:
+            if not ok:
+                hint = " (FedDF distils on held-out server data)" if key == "server_fraction" else ""
+                raise ValueError(f"algorithm.{key}={value!r} is invalid for oneshot_feddf{hint}")
+        super().__init__(cfg, setup, initial_weights)
+        self.history: list[tuple[int, float]] = []
+
+    def build(self, ctx: RoundContext) -> dict[str, float]:
+        cfg = self.cfg
+        if self.server_x is None or self.server_x.shape[0] == 0:
+            raise RuntimeError("oneshot_feddf has no server data: the runtime must call attach_data and "
+                               "algorithm.server_fraction must be > 0")
+        dev = self.device
+        unl, val = split_server_data(self.server_x.shape[0], cfg.val_fraction, self.setup.seed)
+        x_u = self.server_x[unl].to(dev)
+        x_v, y_v = self.server_x[val].to(dev), self.server_y[val].to(dev)
+        teachers = self.teacher_modules(dev)
+        t_u = combine_logits(torch.stack([predict_logits(m, x_u) for m in teachers]))
+        if cfg.student_init == "fedavg":
+            student = build_module(self.setup, self.fedavg_vector(), dev)
+        else:
+            student = build_module(self.setup, fresh_vector(self.setup, _FEDDF, 2), dev)
+        params = [p for p in student.parameters()]
+        opt = torch.optim.Adam(params, lr=cfg.lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda step: 0.5 * (1.0 + math.cos(math.pi * min(step, cfg.steps) / max(cfg.steps, 1))))
+        gen = torch_generator(self.setup.seed, Stream.ALGORITHM, _FEDDF, 0)
+        seed_torch_global(self.setup.seed, Stream.ALGORITHM, _FEDDF, 3)
+        use_val = x_v.shape[0] > 0
+
+        def val_accuracy() -> float:
+            return float((predict_logits(student, x_v).argmax(1) == y_v).float().mean())
+
+        def snapshot() -> list[torch.Tensor]:
+            return [t.detach().clone() for t in (*student.parameters(), *student.buffers())]
+
+        best_acc = val_accuracy() if use_val else float("nan")
+        best_state, best_step = snapshot(), 0
+        self.history = [(0, best_acc)]
+        order = torch.randperm(x_u.shape[0], generator=gen)
+        pos = 0
+        step = 0
+        student.train()
+        while step < cfg.steps:
+            if pos + cfg.batch_size > order.numel():  # reshuffle each pass over U (drop the ragged tail)
+                order, pos = torch.randperm(x_u.shape[0], generator=gen), 0
+            idx = order[pos : pos + cfg.batch_size].to(dev)
+            pos += cfg.batch_size
+            loss = kd_loss(student(x_u[idx]), t_u[idx], cfg.temperature)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            step += 1
+            if use_val and (step % cfg.eval_every == 0 or step == cfg.steps):
+                acc = val_accuracy()
+                self.history.append((step, acc))
+                if acc > best_acc:
+                    best_acc, best_state, best_step = acc, snapshot(), step
+                elif cfg.patience and step - best_step >= cfg.patience:
+                    break
+        if use_val:
+            with torch.no_grad():
+                for t, saved in zip((*student.parameters(), *student.buffers()), best_state):
+                    t.copy_(saved)
+        self.weights = model_vector(student).to(torch.float32)
+        return {"distill_steps": float(step), "best_step": float(best_step if use_val else step),
+                "server_val_accuracy": best_acc, "distill_set_size": float(x_u.shape[0])}
+
+
+SPEC = AlgorithmSpec("oneshot_feddf", FedDFConf, OneShotClient, FedDFServer,
+                     "FedDF: distil the client ensemble into one model on unlabelled server data")
