@@ -174,16 +174,31 @@ class NonFinitePolicy(StrEnum):
 
 
 @dataclass
+class FaultInjectionConf:
+    """TEST ONLY: the Ray worker that trains ``client`` exits abruptly (os._exit) when it starts it,
+    in round ``round`` (1-based; None: the first time); the engine must recover with the same result."""
+
+    client: int | None = None
+    round: int | None = None
+
+
+@dataclass
 class EngineConf:
     name: EngineName = EngineName.inline
     num_workers: int | None = None  # inline: 1; ray: what Ray sees (GPUs, else CPUs)
     device: str = "auto"  # auto = cuda if available, else cpu
     cpus_per_worker: float = 1.0
     gpus_per_worker: float | None = None  # None: 1 / (workers per GPU) when a GPU is present
-    threads_per_worker: int | None = None  # torch intra-op threads (None: cpus_per_worker, min 1)
-    state_store: str = "memory"
-    state_dir: str | None = None
+    threads_per_worker: int | None = None  # torch intra-op threads (ray, None: cpus_per_worker, min 1; inline, None: torch default)
+    state_store: str = "memory"  # memory | disk | distributed (see docs/engine.md)
+    state_dir: str | None = None  # disk/distributed: where client state lives (None: <run dir>/client_state)
+    state_backend: str = "disk"  # distributed: what each home worker keeps its clients' state in (memory | disk)
+    state_cache_mb: float = 256.0  # disk: RAM for the write-behind LRU cache of client states, per store
     nonfinite: NonFinitePolicy = NonFinitePolicy.fail
+    max_restarts: int = 3  # ray: a dead worker is restarted (and its clients rerun) at most this often per round
+    scheduler_smoothing: float = 0.5  # weight of the newest round in each worker's runtime estimate
+    address: str | None = None  # ray: an existing cluster to join ("auto"); None starts a local one
+    fault_injection: FaultInjectionConf = field(default_factory=FaultInjectionConf)
 
 
 @dataclass
@@ -204,6 +219,8 @@ class Config:
     eval_every: int = 1
     eval_batch_size: int = 1024
     save_model: bool = True
+    checkpoint_every: int = 0  # rounds between checkpoints (0: none); >0 also makes the run dir stable
+    resume: str = "auto"  # auto: continue from the run dir's checkpoint if any; never: start over; or a run dir
     train: TrainConfig = field(default_factory=TrainConfig)
     dataset: DatasetConf = MISSING
     partition: PartitionConf = MISSING
@@ -223,12 +240,32 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
 }
 
 
+def run_dir_for(resume: str, checkpoint_every: Any, stamped: str, stable: str) -> str:
+    """Hydra's run dir: ``resume=<dir>`` reuses that dir; with checkpoints on, a dir derived from the
+    command-line overrides, so rerunning the same command finds its checkpoint; else time-stamped."""
+    resume = str(resume)
+    if resume not in ("auto", "never"):
+        return resume
+    return stable if int(checkpoint_every) > 0 else stamped
+
+
+def register_resolvers() -> None:
+    import hashlib
+
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("fl_run_dir", run_dir_for, replace=True)
+    OmegaConf.register_new_resolver(
+        "fl_hash", lambda text: hashlib.sha1(str(text).encode()).hexdigest()[:10], replace=True)
+
+
 def register_configs() -> None:
     """Register the schema of every group option as ``schema/<group>/<option>``.
 
     The schemas live outside the option groups so that Hydra's "available options" lists only
     the YAML options; each YAML extends its schema with ``- /schema/<group>/<option>@_here_``.
     """
+    register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, options in GROUP_SCHEMAS.items():

@@ -19,6 +19,7 @@ from fl_platform.algorithms.registry import get_algorithm
 from fl_platform.config import options_of
 from fl_platform.datasets.federated import FederatedDataset, build_federated_dataset
 from fl_platform.engine.base import Engine
+from fl_platform.engine.checkpoint import Checkpointer
 from fl_platform.engine.setup import ExperimentSetup, ModelFactory, resolve_device
 from fl_platform.engine.simulation import LoopConfig, Simulation
 from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
@@ -50,6 +51,19 @@ def validate(cfg: DictConfig) -> None:
         (cfg.train.epochs >= 1 or cfg.train.steps, "train.epochs", f"must be >= 1, got {cfg.train.epochs}"),
         (cfg.train.optimizer in ("sgd", "adam"), "train.optimizer",
          f"must be one of sgd, adam; got {cfg.train.optimizer!r}"),
+    ]
+    engine = cfg.engine
+    from fl_platform.state.store import STORE_KINDS
+
+    checks += [
+        (cfg.checkpoint_every >= 0, "checkpoint_every", f"must be >= 0, got {cfg.checkpoint_every}"),
+        (engine.state_store in STORE_KINDS, "engine.state_store",
+         f"must be one of {', '.join(STORE_KINDS)}; got {engine.state_store!r}"),
+        (engine.state_backend in ("memory", "disk"), "engine.state_backend",
+         f"must be memory or disk; got {engine.state_backend!r}"),
+        (engine.max_restarts >= 0, "engine.max_restarts", f"must be >= 0, got {engine.max_restarts}"),
+        (engine.fault_injection.client is None or enum_value(engine.name) == "ray", "engine.fault_injection",
+         "is a test-only fault for Ray workers; it needs engine=ray"),
     ]
     if "alpha" in cfg.partition:
         checks.append((cfg.partition.alpha > 0, "partition.alpha", f"must be > 0, got {cfg.partition.alpha}"))
@@ -88,9 +102,10 @@ def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
     return ExperimentSetup(
         dataset=data, model=model, algorithm=cfg.algorithm.name, algorithm_conf=algorithm_conf(cfg),
         train=train_config(cfg), seed=cfg.seed, device=engine.device, state_store=engine.state_store,
-        state_options={"directory": engine.state_dir} if engine.state_dir else {},
+        state_options={"cache_mb": engine.state_cache_mb,
+                       **({"directory": engine.state_dir} if engine.state_dir else {})},
         nonfinite=enum_value(engine.nonfinite),
-        threads=threads if enum_value(engine.name) == "ray" else None,
+        threads=threads if enum_value(engine.name) == "ray" else engine.threads_per_worker,
     )
 
 
@@ -99,7 +114,8 @@ def make_engine(cfg: DictConfig, setup: ExperimentSetup) -> Engine:
     if name == "inline":
         from fl_platform.engine.inline import InlineEngine
 
-        return InlineEngine(setup, num_workers=cfg.engine.num_workers or 1)
+        return InlineEngine(setup, num_workers=cfg.engine.num_workers or 1,
+                            scheduler_smoothing=cfg.engine.scheduler_smoothing)
     if name == "ray":
         from fl_platform.engine.ray_engine import RayEngine
 
@@ -121,8 +137,18 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
     """Everything needed to run ``cfg``; writes config.yaml and partition.npz when ``run_dir`` is given."""
     validate(cfg)
     rd = RunDir(run_dir) if run_dir is not None else None
+    checkpointer, ckpt = None, None
+    if rd is not None:
+        checkpointer = Checkpointer(rd.checkpoint, cfg.checkpoint_every)
+        if cfg.resume == "never":
+            checkpointer.clear()
+        elif checkpointer.latest_round() is not None:
+            check_resumable(cfg, rd.config)
+            ckpt = checkpointer.load()
     data = load_data(cfg)
     setup = make_setup(cfg, data)
+    if rd is not None and setup.state_store != "memory" and "directory" not in setup.state_options:
+        setup.state_options["directory"] = str(rd.path / "client_state")
     if rd is not None:
         atomic_write_text(rd.config, OmegaConf.to_yaml(cfg, resolve=True))
         data.partition.save(rd.partition)
@@ -132,20 +158,57 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
     spec = get_algorithm(setup.algorithm)
     alg_setup = setup.algorithm_setup(eval_model.num_params, eval_model.num_buffers)
     server = spec.server(setup.algorithm_conf, alg_setup, eval_model.vector.detach().cpu().clone())
-    server.attach_data(data)
     engine = make_engine(cfg, setup)
     loop = LoopConfig(seed=cfg.seed, rounds=cfg.rounds, clients_per_round=cfg.clients_per_round,
                       eval_every=cfg.eval_every, eval_batch_size=cfg.eval_batch_size)
     sim = Simulation(loop, data, server, engine, eval_model,
-                     metrics=MetricsLog(rd.metrics) if rd is not None else None, reporter=reporter)
+                     metrics=MetricsLog(rd.metrics) if rd is not None else None, reporter=reporter,
+                     checkpointer=checkpointer if cfg.checkpoint_every > 0 else None)
+    try:
+        sim.restore(ckpt)
+    except BaseException:
+        engine.close()
+        raise
     return Experiment(cfg, data, setup, sim, engine, rd)
+
+
+# Keys that may differ between a checkpointed run and its resumption: they do not change results.
+RESUME_FREE_KEYS = ("resume", "checkpoint_every", "logger.", "eval_batch_size", "engine.name", "engine.num_workers",
+                    "engine.device", "engine.cpus_per_worker", "engine.gpus_per_worker", "engine.threads_per_worker",
+                    "engine.max_restarts", "engine.scheduler_smoothing", "engine.address", "engine.fault_injection",
+                    "engine.state_cache_mb")
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def check_resumable(cfg: DictConfig, saved_config: Path) -> None:
+    """Refuse to resume a run dir whose checkpoint was made with a config that changes results."""
+    if not saved_config.exists():
+        return
+    old = _flatten(OmegaConf.to_container(OmegaConf.load(saved_config), resolve=True))
+    new = _flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+             if not k.startswith(RESUME_FREE_KEYS) and old.get(k) != new.get(k)]
+    if diffs:
+        raise ConfigError(f"resume: the checkpoint in {saved_config.parent} was made with a different config "
+                          f"({'; '.join(diffs[:5])}); rerun with the same overrides, or resume=never to start over")
 
 
 def run_experiment(cfg: DictConfig, run_dir: Path | str | None = None) -> dict[str, Any]:
     """Build, run, and write summary.json (and model.pt); returns the summary."""
     t0 = time.perf_counter()
     rd = RunDir(run_dir) if run_dir is not None else None
-    reporter = Reporter(cfg.rounds, progress=cfg.logger.progress, wandb=cfg.logger.wandb,
+    start_round = 0
+    if rd is not None and cfg.resume != "never":
+        start_round = Checkpointer(rd.checkpoint, 0).latest_round() or 0
+    reporter = Reporter(cfg.rounds, start_round=start_round, progress=cfg.logger.progress, wandb=cfg.logger.wandb,
                         wandb_project=cfg.logger.wandb_project, wandb_mode=cfg.logger.wandb_mode,
                         run_dir=str(rd.path) if rd else None,
                         config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),

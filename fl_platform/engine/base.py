@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
 
 from fl_platform.core import Broadcast, RoundContext
 from fl_platform.engine.worker import WorkerResult
@@ -21,6 +23,23 @@ class Engine(ABC):
 
     def flush(self) -> None:
         """Make client state durable (before a checkpoint)."""
+
+    def checkpoint_state(self, directory: Path, round: int) -> None:
+        """Phase 1 of a checkpoint after ``round`` rounds: client state saved or set aside (see state/store.py)."""
+        self.flush()
+
+    def commit_state(self, round: int) -> None:
+        """Phase 2, once the checkpoint for ``round`` is published."""
+
+    def restore_state(self, directory: Path | None, round: int | None) -> None:
+        """Resume: client state as of the checkpoint for ``round`` (None: no checkpoint, empty)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Engine state worth checkpointing (the scheduler's runtime model)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
 
     def close(self) -> None:
         """Release workers and what they hold."""

@@ -2,42 +2,95 @@
 
 With the default single worker this is the plain sequential simulator (and the debugging
 mode: any exception surfaces with its client id). Several in-process workers exist to test
-that the number of workers never changes the result.
+that the number of workers, the schedule and the state store never change the result; they
+follow exactly the protocol of the Ray engine (scheduler, home workers, lending of states).
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import Any
 
 from fl_platform.core import Broadcast, RoundContext
 from fl_platform.engine.base import Engine
-from fl_platform.engine.scheduler import lpt_assign
+from fl_platform.engine.scheduler import Scheduler
 from fl_platform.engine.setup import ExperimentSetup
-from fl_platform.engine.worker import Worker, WorkerResult
+from fl_platform.engine.worker import Worker, WorkerOptions, WorkerResult
+from fl_platform.state.distributed import home_worker, lending_plan
 
 
 class InlineEngine(Engine):
-    def __init__(self, setup: ExperimentSetup, num_workers: int = 1) -> None:
+    def __init__(self, setup: ExperimentSetup, num_workers: int = 1, *, scheduler_smoothing: float = 0.5) -> None:
+        if num_workers < 1:
+            raise ValueError(f"engine.num_workers must be >= 1, got {num_workers}")
         self.setup = setup
         self.num_workers = num_workers
-        self.workers = [Worker(i, setup) for i in range(num_workers)]
-        self.sizes = setup.dataset.client_sizes()
-        self._stats: dict[str, float] = {}
+        self.distributed = setup.state_store == "distributed"
+        options = WorkerOptions(num_workers=num_workers)
+        first = Worker(0, setup, options)
+        self.workers = [first]
+        for i in range(1, num_workers):
+            # One shared store unless each worker is the home of its own clients.
+            self.workers.append(Worker(i, setup, options, store=None if self.distributed else first.store))
+        self.stateful = first.stateful
+        home = (lambda c: home_worker(c, num_workers)) if self.distributed and self.stateful else None
+        self.scheduler = Scheduler(num_workers, setup.dataset.client_sizes(), setup.train, home=home,
+                                   smoothing=scheduler_smoothing)
+        self._stats: dict[str, Any] = {}
 
     def run_round(self, ctx: RoundContext, broadcast: Broadcast) -> list[WorkerResult]:
-        clients = list(ctx.clients)
-        work = [float(self.sizes[c]) for c in clients]
-        assignment, _ = lpt_assign(clients, work, [1.0] * self.num_workers)
         t0 = time.perf_counter()
-        results = [w.run_round(ctx, broadcast, a) for w, a in zip(self.workers, assignment)]
-        busy = [r.busy_seconds for r in results]
-        self._stats = {"makespan_s": time.perf_counter() - t0,
-                       "balance": max(busy) / (sum(busy) / len(busy)) if sum(busy) else 1.0}
+        plan = self.scheduler.plan(ctx.clients)
+        lent: list[list[dict]] = [[] for _ in self.workers]
+        if self.distributed and self.stateful and self.num_workers > 1:
+            needs = lending_plan(plan.assignment, self.num_workers)
+            for home, per_trainer in enumerate(needs):
+                for trainer, cids in enumerate(per_trainer):
+                    if cids:
+                        lent[trainer].append(self.workers[home].export_states(cids))
+        results = [w.run_round(ctx, broadcast, plan.assignment[i], *lent[i]) for i, w in enumerate(self.workers)]
+        if self.distributed and self.stateful and self.num_workers > 1:
+            outboxes = [r.outbox for r in results if r.outbox]
+            for w in self.workers:
+                w.import_states(*outboxes)
+        for r in results:
+            r.outbox = {}
+        self._stats = self.scheduler.record(plan, [r.client_seconds for r in results],
+                                            [r.busy_seconds for r in results])
+        self._stats["sched_engine_s"] = time.perf_counter() - t0
         return results
 
-    def round_stats(self) -> dict[str, float]:
+    def round_stats(self) -> dict[str, Any]:
         return dict(self._stats)
 
+    def _stores(self) -> list[Worker]:
+        """Workers whose store is their own (one shared store is handled once)."""
+        return self.workers if self.distributed else self.workers[:1]
+
     def flush(self) -> None:
-        for w in self.workers:
+        for w in self._stores():
             w.flush()
+
+    def checkpoint_state(self, directory: Path, round: int) -> None:
+        for w in self._stores():
+            w.checkpoint_state(directory, round)
+
+    def commit_state(self, round: int) -> None:
+        for w in self._stores():
+            w.commit_state(round)
+
+    def restore_state(self, directory: Path | None, round: int | None) -> None:
+        for w in self._stores():
+            w.restore_state(directory, round)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    def close(self) -> None:
+        for w in self._stores():
+            w.close()

@@ -2,7 +2,11 @@
 
 Per round: sample clients from (seed, round), build the broadcast once, let the engine train
 the clients on its workers, reduce the partial aggregates in worker-id order, apply the
-algorithm's server step, evaluate every ``eval_every`` rounds, and log one metrics row.
+algorithm's server step, evaluate every ``eval_every`` rounds, log one metrics row, and
+checkpoint every ``checkpoint_every`` rounds (``fl_platform/engine/checkpoint.py``).
+
+Metrics rows mix results (identical for every engine, worker count and resume) with timing and
+scheduling fields (``is_timing_key``), which naturally differ between runs.
 """
 
 from __future__ import annotations
@@ -19,12 +23,25 @@ from fl_platform.algorithms.base import ServerAlgorithm
 from fl_platform.core import Aggregate, ClientUpdate, Metrics, RoundContext
 from fl_platform.datasets.federated import FederatedDataset
 from fl_platform.engine.base import Engine
+from fl_platform.engine.checkpoint import Checkpoint, Checkpointer, set_rng_state
 from fl_platform.engine.sampling import sample_clients
-from fl_platform.outputs import MetricsLog
+from fl_platform.outputs import MetricsLog, atomic_write_text
 from fl_platform.reporting import Reporter
 from fl_platform.training.flat import FlatModel
 
 log = logging.getLogger(__name__)
+
+
+def is_timing_key(key: str) -> bool:
+    """Fields that measure time or scheduling rather than results (excluded when comparing runs)."""
+    return key.endswith("_s") or key.startswith("sched_")
+
+
+def _rewrite_metrics(metrics: MetricsLog, rows: list[dict[str, Any]]) -> None:
+    """metrics.jsonl := ``rows`` (an interruption here is repaired by the next resume)."""
+    atomic_write_text(metrics.path, "")
+    for row in rows:
+        metrics.append(row)
 
 
 @dataclass
@@ -38,7 +55,8 @@ class LoopConfig:
 
 class Simulation:
     def __init__(self, loop: LoopConfig, data: FederatedDataset, server: ServerAlgorithm, engine: Engine,
-                 eval_model: FlatModel, metrics: MetricsLog | None = None, reporter: Reporter | None = None) -> None:
+                 eval_model: FlatModel, metrics: MetricsLog | None = None, reporter: Reporter | None = None,
+                 checkpointer: Checkpointer | None = None) -> None:
         self.loop = loop
         self.server = server
         self.engine = engine
@@ -50,6 +68,7 @@ class Simulation:
         self.reporter = reporter
         self.history: list[dict[str, Any]] = []
         self.start_round = 0
+        self.checkpointer = checkpointer
 
     def evaluate(self) -> dict[str, float]:
         return self.server.evaluate(self.eval_model, self.test_x, self.test_y, self.loop.eval_batch_size)
@@ -92,7 +111,7 @@ class Simulation:
 
     def run(self) -> dict[str, Any]:
         wall0 = time.perf_counter()
-        offset = self.history[-1]["wall_time_s"] if self.history else 0.0
+        offset = self.history[-1].get("wall_time_s", 0.0) if self.history else 0.0
         for r in range(self.start_round, self.loop.rounds):
             row = self.run_round(r)
             row["wall_time_s"] = offset + time.perf_counter() - wall0
@@ -109,7 +128,29 @@ class Simulation:
         return self.summary()
 
     def after_round(self, r: int) -> None:
-        """Extension point (checkpointing)."""
+        """Checkpoint when due (extension point for subclasses: call super)."""
+        if self.checkpointer is not None and self.checkpointer.due(r + 1, self.loop.rounds):
+            self.checkpointer.save(r + 1, self.server.state_dict(), self.engine, self.history)
+
+    def restore(self, ckpt: Checkpoint | None) -> None:
+        """Continue after ``ckpt`` (None: start from round 1 with empty client state)."""
+        if ckpt is None:
+            self.engine.restore_state(None, None)
+            self.start_round, self.history = 0, []
+            if self.metrics is not None:
+                _rewrite_metrics(self.metrics, [])
+            return
+        if ckpt.round > self.loop.rounds:
+            raise ValueError(f"checkpoint {ckpt.path} is after round {ckpt.round}, beyond rounds={self.loop.rounds}")
+        self.server.load_state_dict(ckpt.server)
+        self.engine.load_state_dict(ckpt.engine)
+        self.engine.restore_state(ckpt.path, ckpt.round)
+        set_rng_state(ckpt.rng)
+        self.start_round = ckpt.round
+        self.history = [dict(row) for row in ckpt.history]
+        if self.metrics is not None:  # rows written after the checkpoint are dropped
+            _rewrite_metrics(self.metrics, self.history)
+        log.info("resumed from %s after round %d", ckpt.path, ckpt.round)
 
     def summary(self) -> dict[str, Any]:
         evals = [row for row in self.history if "test_accuracy" in row]

@@ -1,28 +1,47 @@
 """A worker trains many clients one after another in one reused model (Parrot-style).
 
 Per round it receives the broadcast once and its list of clients; for each client it loads
-the client's state, loads the global weights, trains with the shared loop, and folds the
-contribution into a running float64 sum (or keeps it whole when the algorithm needs each
-client's output). It returns one partial aggregate. The same class runs in-process
-(``engine=inline``) and as a Ray actor.
+the client's state, trains with the shared loop (which loads the global weights into the one
+flat model), and folds the contribution into a running float64 sum (or keeps it whole when the
+algorithm needs each client's output). It returns one partial aggregate. The same class runs
+in-process (``engine=inline``) and as a Ray actor (``engine=ray``).
+
+Client states are staged during the round and written to the store only after the last client
+finished, so a worker that dies mid-round leaves every state untouched and the engine can rerun
+the worker's clients from exactly the same inputs.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from fl_platform.algorithms.registry import get_algorithm
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
 from fl_platform.engine.setup import ExperimentSetup, resolve_device
-from fl_platform.state.store import make_store
+from fl_platform.state.distributed import DistributedStore
+from fl_platform.state.store import State, StateStore, make_store
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.loop import ClientData, LocalTrainer, NonFiniteError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerOptions:
+    """How the engine runs this worker (engine mechanics, not part of the experiment)."""
+
+    num_workers: int = 1
+    durable_rounds: bool = False  # flush the state store after every round (survives a crash of this process)
+    drop_cache_each_round: bool = False  # other processes write the same store: do not trust cached reads
+    incarnation: int = 0  # 0 for the first actor of this worker id, +1 per restart
+    fault_client: int | None = None  # TEST ONLY: the process exits when it starts training this client...
+    fault_round: int | None = None  # ...in this round (0-based; None: any round), first incarnation only
 
 
 @dataclass
@@ -36,14 +55,30 @@ class WorkerResult:
     bytes_up: int
     bytes_down: int
     rejected: dict[int, str] = field(default_factory=dict)
+    outbox: dict[int, State] = field(default_factory=dict)  # new states of clients homed elsewhere
+
+
+@dataclass
+class _Round:
+    """What a worker accumulates while it trains its clients of one round."""
+
+    aggregate: Aggregate = field(default_factory=Aggregate)
+    updates: list[ClientUpdate] = field(default_factory=list)
+    metrics: Metrics = field(default_factory=Metrics)
+    seconds: dict[int, float] = field(default_factory=dict)
+    rejected: dict[int, str] = field(default_factory=dict)
+    staged: dict[int, State] = field(default_factory=dict)
+    bytes_up: int = 0
 
 
 class Worker:
-    def __init__(self, worker_id: int, setup: ExperimentSetup) -> None:
+    def __init__(self, worker_id: int, setup: ExperimentSetup, options: WorkerOptions | None = None,
+                 store: StateStore | None = None) -> None:
         if setup.threads:
             torch.set_num_threads(setup.threads)
         self.worker_id = worker_id
         self.setup = setup
+        self.options = options or WorkerOptions()
         self.device = resolve_device(setup.device)
         self.data = setup.dataset.to(self.device)
         self.spec = get_algorithm(setup.algorithm)
@@ -52,59 +87,137 @@ class Worker:
         alg_setup = setup.algorithm_setup(self.fm.num_params, self.fm.num_buffers)
         self.client = self.spec.client(setup.algorithm_conf, alg_setup)
         self.summable = self.spec.server.summable
-        self.store = make_store(setup.state_store, self.client.state_spec(), **setup.state_options)
+        self.store = store if store is not None else self.make_store()
+        self.stateful = bool(self.store.specs)
+
+    def make_store(self) -> StateStore:
+        options = dict(self.setup.state_options)
+        if self.setup.state_store == "distributed":
+            options.update(worker_id=self.worker_id, num_workers=self.options.num_workers)
+        return make_store(self.setup.state_store, self.client.state_spec(), **options)
 
     def client_data(self, client_id: int) -> ClientData:
         return ClientData(self.data.train_x, self.data.train_y, self.data.client_indices(client_id))
 
-    def run_round(self, ctx: RoundContext, broadcast: Broadcast, client_ids: list[int]) -> WorkerResult:
+    # ------------------------------------------------------------------ one round
+
+    def run_round(self, ctx: RoundContext, broadcast: Broadcast, client_ids: list[int],
+                  *foreign: dict[int, State | None]) -> WorkerResult:
+        """Train ``client_ids`` in order; ``foreign`` lends states of clients homed on other workers."""
         start = time.perf_counter()
+        if self.stateful:
+            if self.options.drop_cache_each_round:
+                self.store.invalidate()
+            lent: dict[int, State | None] = {}
+            for part in foreign:
+                lent.update(part)
+            self.store.begin_round(lent)
         bc = broadcast.to(self.device)
-        agg = Aggregate()
-        updates: list[ClientUpdate] = []
-        metrics = Metrics()
-        seconds: dict[int, float] = {}
-        rejected: dict[int, str] = {}
-        staged: dict[int, dict[str, torch.Tensor]] = {}
-        bytes_up = 0
-        down_each = broadcast.nbytes()
+        acc = _Round()
         for cid in client_ids:
+            self._inject_fault(ctx, cid)
             t0 = time.perf_counter()
-            state = self.store.get(cid) if self.store.specs else None
-            try:
-                update = self.client.train(ctx, cid, bc, state, self.client_data(cid), self.trainer)
-                if not update.is_finite():
-                    raise NonFiniteError(f"client {cid} in round {ctx.round + 1}: its update contains NaN/inf")
-            except NonFiniteError as err:
-                if self.setup.nonfinite != "skip":
-                    raise
-                log.warning("rejected %s (engine.nonfinite=skip)", err)
-                rejected[cid] = str(err)
-                continue
-            if update.state is not None:
-                staged[cid] = update.state
-            update.state = None
-            if not update.bytes_up:
-                update.bytes_up = sum(t.numel() * 4 for t in update.tensors.values())
-            bytes_up += update.bytes_up
-            metrics.merge(update.metrics)
-            if self.summable:
-                agg.add_update(update)
-            else:
-                update.tensors = {k: v.detach().to("cpu") for k, v in update.tensors.items()}
-                updates.append(update)
+            update = self._train_client(ctx, bc, cid, acc)
+            if update is not None:
+                self._fold(update, acc)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            seconds[cid] = time.perf_counter() - t0
-        # Client states are written only once the whole round succeeded, so a rerun of this
-        # worker's clients after a crash starts from their unmodified state.
-        for cid, st in staged.items():
-            self.store.put(cid, st)
-        return WorkerResult(self.worker_id, agg.to("cpu"), updates, metrics, seconds,
-                            time.perf_counter() - start, bytes_up, down_each * (len(client_ids)))
+            acc.seconds[cid] = time.perf_counter() - t0
+        outbox: dict[int, State] = {}
+        if self.stateful:
+            # Written only now that the whole round succeeded (see the module docstring). In a
+            # separate process the states are staged durably and applied by ``commit_round``
+            # once the engine holds every result, so a crash at any point can be rerun exactly.
+            if self.options.durable_rounds:
+                self.store.stage(ctx.round, acc.staged, tag=f"-w{self.worker_id}")
+            else:
+                for cid, state in acc.staged.items():
+                    self.store.put(cid, state)
+            outbox = self.store.end_round()
+        return WorkerResult(self.worker_id, acc.aggregate.to("cpu"), acc.updates, acc.metrics, acc.seconds,
+                            time.perf_counter() - start, acc.bytes_up, broadcast.nbytes() * len(client_ids),
+                            acc.rejected, outbox)
+
+    def commit_round(self, round: int) -> int:
+        """Apply the states staged by ``run_round`` for ``round`` (idempotent; durable rounds only)."""
+        applied = self.store.apply_staged(round, tag=f"-w{self.worker_id}") if self.stateful else 0
+        if self.options.durable_rounds:
+            self.store.flush()
+        return applied
+
+    def _train_client(self, ctx: RoundContext, bc: Broadcast, cid: int, acc: _Round) -> ClientUpdate | None:
+        """Train one client; a non-finite update is rejected (None) or raised, by ``engine.nonfinite``."""
+        state = self.store.get(cid) if self.stateful else None
+        try:
+            update = self.client.train(ctx, cid, bc, state, self.client_data(cid), self.trainer)
+            if not update.is_finite():
+                raise NonFiniteError(f"client {cid} in round {ctx.round + 1}: its update contains NaN/inf")
+        except NonFiniteError as err:
+            if self.setup.nonfinite != "skip":
+                raise
+            log.warning("rejected %s (engine.nonfinite=skip)", err)
+            acc.rejected[cid] = str(err)
+            return None
+        return update
+
+    def _fold(self, update: ClientUpdate, acc: _Round) -> None:
+        """Add one accepted update into the round's running sums (or keep it, in list mode)."""
+        if update.state is not None:
+            acc.staged[update.client_id] = update.state
+            update.state = None
+        if not update.bytes_up:
+            update.bytes_up = sum(t.numel() * 4 for t in update.tensors.values())
+        acc.bytes_up += update.bytes_up
+        acc.metrics.merge(update.metrics)
+        if self.summable:
+            acc.aggregate.add_update(update)
+        else:
+            update.tensors = {k: v.detach().to("cpu") for k, v in update.tensors.items()}
+            acc.updates.append(update)
+
+    def _inject_fault(self, ctx: RoundContext, cid: int) -> None:
+        """TEST ONLY (``engine.fault_injection``): die like an OOM-killed process, without cleanup."""
+        o = self.options
+        if (o.fault_client == cid and o.incarnation == 0
+                and (o.fault_round is None or o.fault_round == ctx.round)):
+            log.warning("fault injection: worker %d exits on client %d in round %d", self.worker_id, cid,
+                        ctx.round + 1)
+            os._exit(17)
+
+    # ------------------------------------------------------------------ distributed state
+
+    def export_states(self, client_ids: list[int]) -> dict[int, State | None]:
+        """States of home clients that another worker trains this round."""
+        if not isinstance(self.store, DistributedStore):
+            raise TypeError("export_states needs engine.state_store=distributed")
+        return self.store.export(client_ids)
+
+    def import_states(self, *parts: dict[int, State]) -> int:
+        """Take back this worker's home clients' states from the workers that trained them."""
+        if not isinstance(self.store, DistributedStore):
+            raise TypeError("import_states needs engine.state_store=distributed")
+        mine = {cid: st for part in parts for cid, st in part.items() if self.store.is_home(cid)}
+        self.store.import_states(mine)
+        if self.options.durable_rounds:
+            self.store.flush()
+        return len(mine)
+
+    # ------------------------------------------------------------------ durability
 
     def flush(self) -> None:
         self.store.flush()
+
+    def checkpoint_state(self, directory: str | Path, round: int) -> None:
+        self.store.checkpoint(Path(directory), round)
+
+    def commit_state(self, round: int) -> None:
+        self.store.commit(round)
+
+    def restore_state(self, directory: str | Path | None, round: int | None) -> None:
+        self.store.restore(Path(directory) if directory is not None else None, round)
+
+    def close(self) -> None:
+        self.store.close()
 
     def ping(self) -> int:
         return self.worker_id

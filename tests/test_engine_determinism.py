@@ -1,0 +1,64 @@
+"""The engine never changes the result: inline, Ray with 1 and 2 workers, and every state store
+give the same global model (max abs difference <= 1e-6) and the same metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fl_platform.engine.simulation import is_timing_key
+from fl_platform.experiment import build
+
+from .conftest import compose_config
+
+COMMON = ("rounds=3", "train.epochs=1", "clients_per_round=12", "engine.threads_per_worker=1")
+
+
+def run(*overrides: str) -> tuple[torch.Tensor, list[dict]]:
+    exp = build(compose_config(*COMMON, *overrides))
+    try:
+        exp.simulation.run()
+    finally:
+        exp.engine.close()
+    rows = [{k: v for k, v in row.items() if not is_timing_key(k)} for row in exp.simulation.history]
+    return exp.simulation.server.weights.clone(), rows
+
+
+def assert_same(a: tuple[torch.Tensor, list[dict]], b: tuple[torch.Tensor, list[dict]]) -> None:
+    wa, ra = a
+    wb, rb = b
+    assert float((wa - wb).abs().max()) <= 1e-6
+    assert len(ra) == len(rb)
+    for x, y in zip(ra, rb):
+        assert x.keys() == y.keys()
+        for k in x:
+            if isinstance(x[k], float):
+                assert x[k] == pytest.approx(y[k], rel=1e-6, abs=1e-9), k
+            else:
+                assert x[k] == y[k], k
+
+
+def test_inline_worker_count_does_not_change_fedavg():
+    assert_same(run("engine.num_workers=1"), run("engine.num_workers=3"))
+
+
+@pytest.mark.parametrize("store", ["memory", "disk", "distributed"])
+def test_inline_scaffold_state_stores_agree(store):
+    ref = run("algorithm=scaffold")
+    assert_same(ref, run("algorithm=scaffold", "engine.num_workers=2", f"engine.state_store={store}",
+                         "engine.state_cache_mb=0.05"))
+
+
+@pytest.mark.ray
+def test_fedavg_inline_vs_ray_1_and_2_workers(ray_session):
+    ref = run("engine=inline")
+    assert_same(ref, run("engine=ray", "engine.num_workers=1"))
+    assert_same(ref, run("engine=ray", "engine.num_workers=2"))
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("store", ["disk", "distributed"])
+def test_scaffold_inline_vs_ray_2_workers(ray_session, store):
+    ref = run("algorithm=scaffold")
+    assert_same(ref, run("algorithm=scaffold", "engine=ray", "engine.num_workers=2",
+                         f"engine.state_store={store}"))

@@ -1,0 +1,93 @@
+"""Faults: a Ray worker that dies mid-round is restarted and the round's result is unchanged;
+a client whose update is non-finite is rejected (skip) or stops the run (fail), never averaged in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fl_platform.engine.sampling import sample_clients
+from fl_platform.engine.simulation import is_timing_key
+from fl_platform.experiment import build
+from fl_platform.training.loop import NonFiniteError
+
+from .conftest import compose_config
+
+COMMON = ("rounds=3", "train.epochs=1", "clients_per_round=12", "engine.threads_per_worker=1")
+
+
+def run(*overrides: str):
+    exp = build(compose_config(*COMMON, *overrides))
+    try:
+        exp.simulation.run()
+    finally:
+        exp.engine.close()
+    return exp
+
+
+def results(exp) -> list[dict]:
+    return [{k: v for k, v in row.items() if not is_timing_key(k)} for row in exp.simulation.history]
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("overrides", [("algorithm=fedavg",),
+                                       ("algorithm=scaffold", "engine.state_store=disk"),
+                                       ("algorithm=scaffold", "engine.state_store=distributed")],
+                         ids=["fedavg", "scaffold-disk", "scaffold-distributed"])
+def test_worker_killed_mid_round_does_not_change_the_result(ray_session, overrides):
+    victim = sample_clients(0, 1, 100, 12)[5]  # a client of round 2 (0-based round 1)
+    clean = run(*overrides, "engine=ray", "engine.num_workers=2")
+    faulty = run(*overrides, "engine=ray", "engine.num_workers=2",
+                 f"engine.fault_injection.client={victim}", "engine.fault_injection.round=2")
+    assert faulty.engine.restarts == 1 and clean.engine.restarts == 0
+    assert float((faulty.simulation.server.weights - clean.simulation.server.weights).abs().max()) <= 1e-6
+    assert results(faulty) == results(clean)
+
+
+def test_fault_injection_needs_ray():
+    with pytest.raises(ValueError, match=r"engine\.fault_injection"):
+        build(compose_config(*COMMON, "engine.fault_injection.client=3"))
+
+
+def poison_client(exp, client: int) -> None:
+    """Make one client's features infinite, in the tensors the in-process workers train on."""
+    idx = exp.data.client_indices(client)
+    for w in exp.engine.workers:
+        w.data.train_x[idx] = float("inf")
+
+
+def test_nonfinite_update_fails_the_run_naming_the_client():
+    exp = build(compose_config(*COMMON, "engine.nonfinite=fail"))
+    victim = sample_clients(0, 0, 100, 12)[3]
+    poison_client(exp, victim)
+    with pytest.raises(NonFiniteError, match=f"client {victim} in round 1"):
+        exp.simulation.run()
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold"])
+def test_nonfinite_update_is_skipped_and_never_averaged(algorithm):
+    victim = sample_clients(0, 0, 100, 12)[3]
+    exp = build(compose_config(*COMMON, f"algorithm={algorithm}", "engine.nonfinite=skip", "rounds=1"))
+    poison_client(exp, victim)
+    exp.simulation.run()
+    row = exp.simulation.history[0]
+    assert row["rejected_clients"] == [victim] and row["num_clients"] == 11
+    assert bool(torch.isfinite(exp.simulation.server.weights).all())
+    if algorithm == "scaffold":  # the rejected client's state was not written
+        assert exp.engine.workers[0].store.get(victim) is None
+        assert exp.engine.workers[0].store.get(sample_clients(0, 0, 100, 12)[0]) is not None
+    # The result equals a round in which the victim did not take part at all.
+    ref = build(compose_config(*COMMON, f"algorithm={algorithm}", "rounds=1"))
+    for w in ref.engine.workers:
+        original = w.client.train
+
+        def train(ctx, cid, *args, _orig=original, **kwargs):
+            update = _orig(ctx, cid, *args, **kwargs)
+            if cid == victim:
+                update.tensors = {k: torch.zeros_like(v) for k, v in update.tensors.items()}
+                update.weights = {k: 0.0 for k in update.weights}
+            return update
+
+        w.client.train = train
+    ref.simulation.run()
+    assert float((ref.simulation.server.weights - exp.simulation.server.weights).abs().max()) <= 1e-6
