@@ -10,6 +10,7 @@ _MODULES = {
     "fedavg": "fl_platform.algorithms.fedavg",
     "fedprox": "fl_platform.algorithms.fedprox",
     "scaffold": "fl_platform.algorithms.scaffold",
+    "baow": "fl_platform.algorithms.baow",
     "oneshot_fedavg": "fl_platform.algorithms.oneshot.fedavg",
     "oneshot_ensemble": "fl_platform.algorithms.oneshot.ensemble",
     "oneshot_feddf": "fl_platform.algorithms.oneshot.feddf",

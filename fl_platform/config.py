@@ -15,6 +15,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from fl_platform.algorithms.registry import algorithm_names, get_algorithm
+from fl_platform.compression.registry import CompressorConf, compressor_schemas
+from fl_platform.system.config import SystemConf, system_schemas
 from fl_platform.training.loop import TrainConfig
 
 # ---------------------------------------------------------------- dataset
@@ -199,6 +201,9 @@ class EngineConf:
     scheduler_smoothing: float = 0.5  # weight of the newest round in each worker's runtime estimate
     address: str | None = None  # ray: an existing cluster to join ("auto"); None starts a local one
     fault_injection: FaultInjectionConf = field(default_factory=FaultInjectionConf)
+    # Clients a worker trains at once, vectorised (docs/vectorised.md): 1 = one by one; "auto" = as
+    # many as fit in half the device's free memory. Validated by parse_cohort_size.
+    cohort_size: Any = 1
 
 
 @dataclass
@@ -226,6 +231,8 @@ class Config:
     partition: PartitionConf = MISSING
     model: ModelConf = MISSING
     algorithm: Any = MISSING
+    compressor: CompressorConf = MISSING  # uplink compression (fl_platform/compression, docs/compression.md)
+    system: SystemConf = MISSING  # client speeds and bandwidths for simulated time (fl_platform/system)
     engine: EngineConf = field(default_factory=EngineConf)
     logger: LoggerConf = field(default_factory=LoggerConf)
 
@@ -237,6 +244,8 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "partition": {"iid": IIDConf, "dirichlet": DirichletConf, "shards": ShardsConf,
                   "power_law": PowerLawConf, "natural": NaturalConf},
     "model": {"mlp": MLPConf, "cnn": CNNConf, "resnet18": ResNet18Conf, "lstm": LSTMConf},
+    "compressor": compressor_schemas(),
+    "system": system_schemas(),
 }
 
 

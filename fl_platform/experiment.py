@@ -25,6 +25,7 @@ from fl_platform.engine.simulation import LoopConfig, Simulation
 from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
 from fl_platform.reporting import Reporter
 from fl_platform.seeding import Stream, seed_torch_global
+from fl_platform.system.model import build_system
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.loop import TrainConfig
 
@@ -106,6 +107,8 @@ def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
                        **({"directory": engine.state_dir} if engine.state_dir else {})},
         nonfinite=enum_value(engine.nonfinite),
         threads=threads if enum_value(engine.name) == "ray" else engine.threads_per_worker,
+        compressor=OmegaConf.to_container(cfg.compressor, resolve=True) if cfg.get("compressor") else None,
+        system=build_system(cfg.get("system"), cfg.seed),
     )
 
 
@@ -164,6 +167,7 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
     sim = Simulation(loop, data, server, engine, eval_model,
                      metrics=MetricsLog(rd.metrics) if rd is not None else None, reporter=reporter,
                      checkpointer=checkpointer if cfg.checkpoint_every > 0 else None)
+    sim.system = setup.system
     try:
         sim.restore(ckpt)
     except BaseException:

@@ -55,9 +55,12 @@ class ExperimentSetup:
     nonfinite: str = "fail"  # "fail" the run or "skip" the client, logged either way
     threads: int | None = None  # torch intra-op threads per worker (None: leave torch's default)
     extra: dict[str, Any] = field(default_factory=dict)
+    cohort_size: int | str = 1  # clients a worker trains at once (vectorised), or "auto"
+    compressor: dict[str, Any] | None = None  # the compressor group (None / name none: uplinks dense)
+    system: Any = None  # fl_platform.system.SystemModel, or None: no simulated time
 
     def algorithm_setup(self, num_params: int, num_buffers: int) -> Setup:
         return Setup(model_fn=self.model, num_params=num_params, num_buffers=num_buffers,
                      num_classes=self.dataset.num_classes, input_shape=tuple(self.dataset.input_shape),
                      num_clients=self.dataset.num_clients, seed=self.seed, train=self.train,
-                     extra=dict(self.extra))
+                     extra={**self.extra, **({"system": self.system} if self.system is not None else {})})

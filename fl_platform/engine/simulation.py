@@ -54,6 +54,8 @@ class LoopConfig:
 
 
 class Simulation:
+    system: Any = None  # fl_platform.system.SystemModel (set by experiment.build): simulated time per row
+
     def __init__(self, loop: LoopConfig, data: FederatedDataset, server: ServerAlgorithm, engine: Engine,
                  eval_model: FlatModel, metrics: MetricsLog | None = None, reporter: Reporter | None = None,
                  checkpointer: Checkpointer | None = None) -> None:
@@ -103,6 +105,9 @@ class Simulation:
         }
         if rejected:
             row["rejected_clients"] = sorted(rejected)
+        if self.system is not None:  # the straggler's download + compute + upload of its real payload
+            row.update(self.system.round_metrics(r, {c: {**s, "bytes_down": broadcast.nbytes()}
+                                                     for res in results for c, s in res.client_stats.items()}))
         if (r + 1) % self.loop.eval_every == 0 or r + 1 == self.loop.rounds:
             t1 = time.perf_counter()
             row.update(self.evaluate())
