@@ -1,0 +1,369 @@
+"""The local training step in functional form, over clients stacked along a leading dimension.
+
+``LocalTrainer.fit`` (loop.py) mutates one model in place, one client at a time. The cohort
+trainer (vectorised.py) runs K clients' steps as one: their flat parameter vectors are the rows
+of a ``(K, P)`` tensor and ``torch.func.vmap`` maps one client's step over the rows. This module
+holds the three pieces of that step, each written to do exactly what the sequential code does:
+
+* :class:`FunctionalModel`: loss, logits and the flat gradient of one client's minibatch as a
+  pure function of its flat parameters (``functional_call`` + ``grad``), vmapped over clients;
+  BatchNorm running statistics are stacked per client like the parameters.
+* :func:`gradient_terms`: the functional form of a hook's ``before_step`` (FedProx's proximal
+  gradient, SCAFFOLD's constant correction).
+* :class:`StackedOptimizer`: ``FlatSGD`` / ``FlatAdam`` (optim.py) applied row-wise.
+
+Anything without a functional form raises :class:`NotVectorisable`, naming the reason, so the
+engine can fall back to the sequential loop.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from fl_platform.training.flat import FlatModel
+from fl_platform.training.hooks import ComposedHooks, GradientCorrectionHook, ProximalHook, TrainHooks
+from fl_platform.training.loop import TrainConfig
+
+
+class NotVectorisable(Exception):
+    """This model, hook or algorithm has no functional form; the message names why."""
+
+
+# ------------------------------------------------------------------ hooks
+
+
+@dataclass(frozen=True)
+class ProximalTerm:
+    """FedProx: ``grad += mu * (params - anchor)`` (``ProximalHook.before_step``)."""
+
+    mu: float
+    anchor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class CorrectionTerm:
+    """SCAFFOLD: ``grad += correction`` (``GradientCorrectionHook.before_step``)."""
+
+    correction: torch.Tensor
+
+
+GradTerm = ProximalTerm | CorrectionTerm
+
+
+def gradient_terms(hooks: TrainHooks | None) -> tuple[GradTerm, ...]:
+    """The gradient corrections ``hooks`` apply in ``before_step``, in the order they apply them.
+
+    A hook class may declare its own form with a ``functional_terms()`` method. Otherwise a hook
+    is recognised when its methods are exactly the library's (a subclass that overrides
+    ``before_step``, ``after_step`` or ``loss`` is not). Raises NotVectorisable otherwise.
+    """
+    if hooks is None:
+        return ()
+    declared: Callable[[], tuple[GradTerm, ...]] | None = getattr(hooks, "functional_terms", None)
+    if callable(declared):
+        return tuple(declared())
+    cls = type(hooks)
+    if cls is ComposedHooks:
+        return tuple(term for h in hooks.hooks for term in gradient_terms(h))
+    if cls.loss is not TrainHooks.loss:
+        raise NotVectorisable(f"hook {cls.__name__} replaces the loss (no functional form)")
+    if cls.after_step is not TrainHooks.after_step:
+        raise NotVectorisable(f"hook {cls.__name__} has an after_step (no functional form)")
+    if cls.before_step is TrainHooks.before_step:
+        return ()
+    if cls.before_step is ProximalHook.before_step:
+        return (ProximalTerm(float(hooks.mu), hooks.global_params),) if hooks.mu else ()
+    if cls.before_step is GradientCorrectionHook.before_step:
+        return (CorrectionTerm(hooks.correction),)
+    raise NotVectorisable(f"hook {cls.__name__} has a before_step with no functional form")
+
+
+def stack_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``(K, n)`` rows, or the one shared ``(n,)`` tensor when every client passed the same object."""
+    first = tensors[0]
+    if all(t is first for t in tensors):
+        return first
+    return torch.stack(tensors)
+
+
+@dataclass
+class StackedTerm:
+    """One gradient term for a whole cohort: tensors are ``(K, P)`` rows or one shared ``(P,)``."""
+
+    kind: type
+    tensor: torch.Tensor
+    mu: torch.Tensor | float = 0.0
+
+    @staticmethod
+    def stack(terms: list[GradTerm]) -> StackedTerm:
+        kind = type(terms[0])
+        if kind is ProximalTerm:
+            mus = [t.mu for t in terms]  # type: ignore[union-attr]
+            mu: torch.Tensor | float = mus[0] if len(set(mus)) == 1 else torch.tensor(mus)[:, None]
+            return StackedTerm(kind, stack_rows([t.anchor for t in terms]), mu)  # type: ignore[union-attr]
+        return StackedTerm(kind, stack_rows([t.correction for t in terms]))  # type: ignore[union-attr]
+
+    def apply(self, g: torch.Tensor, params: torch.Tensor, k: int) -> None:
+        """Add the term to the first ``k`` clients' gradients ``g`` (``(k, P)``) in place."""
+        t = self.tensor[:k] if self.tensor.dim() == 2 else self.tensor
+        if self.kind is CorrectionTerm:
+            g.add_(t)
+        elif isinstance(self.mu, torch.Tensor):
+            g.add_((params - t) * self.mu[:k].to(g))
+        else:
+            g.add_(params - t, alpha=self.mu)
+
+    def select(self, order: torch.Tensor) -> StackedTerm:
+        """The term with its per-client rows reordered by ``order``."""
+        tensor = self.tensor[order] if self.tensor.dim() == 2 else self.tensor
+        mu = self.mu[order] if isinstance(self.mu, torch.Tensor) else self.mu
+        return StackedTerm(self.kind, tensor, mu)
+
+
+def stack_terms(per_client: list[tuple[GradTerm, ...]]) -> list[StackedTerm]:
+    """Stack each client's terms position by position; every client must have the same kinds."""
+    kinds = [tuple(type(t) for t in terms) for terms in per_client]
+    if any(k != kinds[0] for k in kinds):
+        raise NotVectorisable("the clients of one cohort use different gradient corrections")
+    return [StackedTerm.stack([terms[i] for terms in per_client]) for i in range(len(kinds[0]))]
+
+
+# ------------------------------------------------------------------ optimisers
+
+
+class StackedOptimizer:
+    """``FlatSGD`` / ``FlatAdam`` over ``(K, P)`` rows, one client per row, same operations per element.
+
+    Every client of a cohort starts at local step 0 together and the trainer only ever steps the
+    first ``k`` rows (the clients still training), so step ``s`` is every stepped client's own
+    step ``s``: SGD's momentum buffer is initialised at ``s == 0`` and Adam's bias correction
+    uses ``t = s + 1``, exactly as for one client.
+    """
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        if cfg.optimizer not in ("sgd", "adam"):
+            raise ValueError(f"unknown optimizer {cfg.optimizer!r}; valid choices: sgd, adam")
+        if cfg.optimizer == "sgd" and cfg.nesterov and cfg.momentum <= 0:
+            raise ValueError("Nesterov momentum requires momentum > 0 and dampening = 0")
+        self.cfg = cfg
+        self._state: list[torch.Tensor] = []
+
+    @property
+    def num_states(self) -> int:
+        """Tensors of shape (K, P) this optimiser keeps (for the memory estimate)."""
+        if self.cfg.optimizer == "adam":
+            return 2
+        return 1 if self.cfg.momentum else 0
+
+    def reset(self, rows: int, num_params: int, like: torch.Tensor) -> None:
+        shape = (rows, num_params)
+        if not self._state or self._state[0].shape != shape or self._state[0].device != like.device \
+                or self._state[0].dtype != like.dtype:
+            self._state = [torch.empty(shape, dtype=like.dtype, device=like.device)
+                           for _ in range(self.num_states)]
+
+    def step(self, s: int, params: torch.Tensor, g: torch.Tensor) -> None:
+        """Step the first ``k = len(params)`` clients (``params``, ``g``: ``(k, P)``) at local step ``s``."""
+        c = self.cfg
+        k = params.shape[0]
+        if c.optimizer == "sgd":
+            if c.weight_decay:
+                g = g.add(params, alpha=c.weight_decay)
+            if c.momentum:
+                buf = self._state[0][:k]
+                if s == 0:
+                    buf.copy_(g)
+                else:
+                    buf.mul_(c.momentum).add_(g)  # dampening 0, as make_optimizer builds FlatSGD
+                g = g.add(buf, alpha=c.momentum) if c.nesterov else buf
+            params.add_(g, alpha=-c.lr)
+            return
+        b1, b2 = c.adam_beta1, c.adam_beta2
+        if c.weight_decay:
+            g = g.add(params, alpha=c.weight_decay)
+        m, v = self._state[0][:k], self._state[1][:k]
+        if s == 0:
+            m.zero_()
+            v.zero_()
+        t = s + 1
+        m.mul_(b1).add_(g, alpha=1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(c.adam_eps)
+        params.addcdiv_(m, denom, value=-c.lr / (1 - b1**t))
+
+
+# ------------------------------------------------------------------ the model
+
+
+class FunctionalModel:
+    """A FlatModel's forward/backward as a pure function of stacked flat parameter rows.
+
+    ``grads(params, buffers, x, y, weight)`` returns every client's flat gradient of its
+    minibatch's mean cross-entropy (the default ``TrainHooks.loss``), its loss and its number of
+    correct predictions. ``buffers`` maps each buffer name to a ``(K, ...)`` tensor; BatchNorm
+    updates its rows in place, so each client keeps its own running statistics. With ``weight``
+    (``(K, B)`` in {0, 1}) the loss is the mean over the weighted samples: clients whose batch is
+    shorter than the others' are padded with copies of their own first sample at weight 0.
+    """
+
+    def __init__(self, fm: FlatModel) -> None:
+        self.fm = fm
+        self.model = fm.model
+        self.num_params = fm.num_params
+        self.param_slots = [s for s in fm.slots if s.is_param]
+        self.buffer_slots = [s for s in fm.slots if not s.is_param]
+        self.int_buffers = [(n, b) for n, b in self.model.named_buffers() if not b.is_floating_point()]
+        self.batchnorms = [m for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        self.trainable = torch.zeros(self.num_params, dtype=torch.bool, device=fm.device)
+        for lo, hi in fm.trainable_ranges():
+            self.trainable[lo:hi] = True
+        self.frozen = None if bool(self.trainable.all()) else (~self.trainable).nonzero().squeeze(1)
+        self._plain = vmap(grad(self._client_loss, has_aux=True))
+        self._masked = vmap(grad(self._client_masked_loss, has_aux=True))
+        # Padding is exact unless samples of one batch interact (BatchNorm); checked by probe().
+        self.can_pad = not self.batchnorms
+
+    # -- one client (vmapped) ------------------------------------------------------------
+    # Parameters enter as one tensor per parameter (views of the client's flat row) rather than
+    # the flat row itself: slicing a flat vector inside ``grad`` would make every slice's backward
+    # write a zero-filled full-size gradient and sum them.
+    def _client_loss(self, p, buffers, x, y):
+        logits = functional_call(self.model, {**p, **buffers}, (x,))
+        loss = F.cross_entropy(logits, y)
+        correct = (logits.argmax(dim=-1) == y).sum()
+        return loss, (loss.detach(), correct)
+
+    def _client_masked_loss(self, p, buffers, x, y, w):
+        logits = functional_call(self.model, {**p, **buffers}, (x,))
+        loss = (F.cross_entropy(logits, y, reduction="none") * w).sum() / w.sum()
+        correct = ((logits.argmax(dim=-1) == y) & (w > 0)).sum()
+        return loss, (loss.detach(), correct)
+
+    # -- cohort ---------------------------------------------------------------------------
+    def param_views(self, params: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each parameter of k clients as a ``(k, *shape)`` view of the ``(k, P)`` rows."""
+        k = params.shape[0]
+        return {s.name: params[:, s.offset : s.offset + s.numel].view(k, *s.shape) for s in self.param_slots}
+
+    def grads(self, params: torch.Tensor, buffers: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+              weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gradients (k, P), losses (k,), correct counts (k,)) for k clients' minibatches."""
+        views = self.param_views(params)
+        if weight is None:
+            g, (loss, correct) = self._plain(views, buffers, x, y)
+        else:
+            g, (loss, correct) = self._masked(views, buffers, x, y, weight)
+        k = params.shape[0]
+        flat = torch.cat([g[s.name].reshape(k, -1) for s in self.param_slots], dim=1)
+        if self.frozen is not None:
+            flat[:, self.frozen] = 0  # frozen parameters get no gradient in the sequential loop either
+        return flat, loss, correct
+
+    def stack_buffers(self, vectors: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-client copies of every buffer: float ones from the rows of ``vectors``, integer ones
+        (BatchNorm's step counter, unused with a momentum) from the live model."""
+        k = vectors.shape[0]
+        out = {}
+        for s in self.buffer_slots:
+            out[s.name] = vectors[:, s.offset : s.offset + s.numel].reshape(k, *s.shape).clone()
+        for name, b in self.int_buffers:
+            out[name] = b.detach().unsqueeze(0).repeat(k, *([1] * b.dim()))
+        return out
+
+    def store_buffers(self, buffers: dict[str, torch.Tensor], vectors: torch.Tensor) -> None:
+        for s in self.buffer_slots:
+            vectors[:, s.offset : s.offset + s.numel] = buffers[s.name].reshape(vectors.shape[0], -1)
+
+    def activation_numel(self, x: torch.Tensor) -> int:
+        """Elements of all leaf-module outputs for one input sample (for the memory estimate)."""
+        total = 0
+
+        def count(_m, _i, out):
+            nonlocal total
+            if isinstance(out, torch.Tensor):
+                total += out.numel()
+
+        leaves = [m for m in self.model.modules() if not list(m.children())]
+        handles = [m.register_forward_hook(count) for m in leaves]
+        saved = self.fm.vector.detach().clone()
+        try:
+            with torch.no_grad():
+                self.model.eval()
+                self.model(x[:1])
+        finally:
+            for h in handles:
+                h.remove()
+            self.fm.vector.copy_(saved)
+            self.model.train()
+        return total + x[:1].numel()
+
+    def unsupported_reason(self, x: torch.Tensor, y: torch.Tensor) -> str | None:
+        """Why this model cannot be trained functionally (None: it can), from its modules and a
+        probe: two real samples through the vmapped step must give the sequential gradient, with
+        no op falling back to vmap's slow per-sample loop.
+
+        Also decides ``can_pad`` (whether a zero-weight padded sample leaves the gradient unchanged).
+        """
+        random = sorted({type(m).__name__ for m in self.model.modules()
+                         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0})
+        if random:
+            return (f"the model has random layers ({', '.join(random)}); under vmap their draws cannot "
+                    "follow each client's own RNG stream")
+        if any(bn.track_running_stats and bn.momentum is None for bn in self.batchnorms):
+            return "the model has BatchNorm with momentum=None (a cumulative average over a shared step count)"
+        if x.shape[0] < 2:
+            return None  # nothing to probe with; the equivalence tests cover the zoo models
+        fm = self.fm
+        saved_vec = fm.vector.detach().clone()
+        saved_int = [b.detach().clone() for _, b in self.int_buffers]
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got, expected, padded = self._probe(x[:2], y[:2], saved_vec)
+        except Exception as err:  # an op without a batching rule, randomness under vmap, ...
+            return f"the model's forward/backward cannot be vmapped ({type(err).__name__}: {err})"
+        finally:
+            fm.vector.copy_(saved_vec)
+            fm.grad.zero_()
+            for (_, b), v in zip(self.int_buffers, saved_int):
+                b.copy_(v)
+        slow = sorted({m.group(1) for w in caught
+                       if (m := re.search(r"batching rule for (\S+?)\.?\s", str(w.message)))})
+        if slow:
+            return (f"vmap has no batching rule for {', '.join(slow)} and would loop over the clients "
+                    "one by one (slower than the sequential loop)")
+        if not torch.allclose(got, expected.expand_as(got), rtol=1e-4, atol=1e-6):
+            err = float((got - expected).abs().max())
+            return f"the vmapped gradient differs from the sequential one (max abs error {err:.2e})"
+        if padded is not None:
+            self.can_pad = bool(torch.allclose(padded, expected, rtol=1e-4, atol=1e-6))
+        return None
+
+    def _probe(self, xb: torch.Tensor, yb: torch.Tensor, vec: torch.Tensor):
+        """(vmapped gradients of 2 clients, the live model's gradient, the padded gradient or None)."""
+        fm = self.fm
+        fm.model.train()
+        fm.grad.zero_()
+        F.cross_entropy(fm.model(xb), yb).backward()
+        expected = fm.grad.clone()
+        if self.frozen is not None:
+            expected[self.frozen] = 0
+        rows = vec.unsqueeze(0).repeat(2, 1)
+        got, _, _ = self.grads(rows[:, : self.num_params], self.stack_buffers(rows),
+                               xb.unsqueeze(0).expand(2, *xb.shape), yb.unsqueeze(0).expand(2, *yb.shape))
+        padded = None
+        if self.can_pad:
+            xp, yp = torch.cat([xb, xb[:1]]).unsqueeze(0), torch.cat([yb, yb[:1]]).unsqueeze(0)
+            w = torch.tensor([[1.0, 1.0, 0.0]], dtype=vec.dtype, device=xb.device)
+            one = vec.unsqueeze(0)
+            padded = self.grads(one[:, : self.num_params], self.stack_buffers(one), xp, yp, w)[0][0]
+        return got, expected, padded

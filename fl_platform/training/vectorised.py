@@ -1,0 +1,283 @@
+"""Vectorised cohort training: K clients' local training as one computation, same results.
+
+Small models leave a device idle when clients train one after another: each step is a few tiny
+kernels plus Python overhead. :class:`CohortTrainer` trains a chunk of clients at once, their
+flat parameter vectors stacked as the rows of one ``(K, D)`` tensor, with the step of
+``LocalTrainer.fit`` in functional form (functional.py: ``functional_call`` + ``grad`` under
+``vmap``). It keeps the sequential semantics exactly:
+
+* each client's minibatches come from its own ``torch_generator(seed, SHUFFLE, round, client)``,
+  one ``torch.randperm(n)`` per epoch, in the same order as the loop draws them;
+* each client takes ``TrainConfig.num_steps(n)`` steps. Clients are sorted by their step count,
+  so the clients still training at step ``s`` are always the first ``k_s`` rows: the others are
+  masked by never being touched again. A client whose batch is shorter than the others' (the
+  end of an epoch) is padded with zero-weight copies of its own samples, or, for BatchNorm models
+  (whose statistics would see the padding), its step runs with the other clients of its batch size;
+* hooks' gradient corrections, per-client gradient clipping, SGD (momentum, weight decay,
+  Nesterov) and Adam are applied row-wise with the same operations;
+* the same metrics (train_loss, train_accuracy, local_steps as (sum, count)) and the same
+  NonFiniteError, reported per client.
+
+:func:`auto_cohort_size` sizes chunks from the model and the device's free memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fl_platform.core import Metrics
+from fl_platform.seeding import Stream, torch_generator
+from fl_platform.training.flat import FlatModel
+from fl_platform.training.functional import (
+    FunctionalModel,
+    NotVectorisable,
+    StackedOptimizer,
+    gradient_terms,
+    stack_terms,
+)
+from fl_platform.training.hooks import TrainHooks
+from fl_platform.training.loop import ClientData, NonFiniteError, TrainConfig
+
+__all__ = [
+    "CohortMember",
+    "CohortTrainer",
+    "MemberResult",
+    "NotVectorisable",
+    "auto_cohort_size",
+    "free_memory",
+    "parse_cohort_size",
+]
+
+
+@dataclass
+class CohortMember:
+    """One client of a cohort: its data, its starting vector ``[params | buffers]`` and its hooks."""
+
+    client_id: int
+    data: ClientData
+    start: torch.Tensor
+    hooks: TrainHooks | None = None
+
+
+@dataclass
+class MemberResult:
+    """A client's trained vector (a row of the cohort's tensor, valid until the next ``fit``) and its
+    metrics, or the NonFiniteError that ``LocalTrainer.fit`` would have raised for it."""
+
+    client_id: int
+    vector: torch.Tensor
+    metrics: Metrics
+    error: NonFiniteError | None = None
+
+
+class CohortTrainer:
+    """Trains many clients at once with the semantics of ``LocalTrainer.fit``.
+
+    Uses ``fm`` (the worker's FlatModel) as the template of the functional model; ``fm``'s own
+    values are left as they were.
+    """
+
+    def __init__(self, fm: FlatModel, cfg: TrainConfig) -> None:
+        self.fm = fm
+        self.cfg = cfg
+        self.fn = FunctionalModel(fm)
+        self.optimizer = StackedOptimizer(cfg)
+        self._reason: str | None = None
+        self._probed = False
+
+    def unsupported_reason(self, x: torch.Tensor, y: torch.Tensor) -> str | None:
+        """Why this model cannot be trained as a cohort (None: it can); probed once, on ``x``/``y``."""
+        if not self._probed:
+            self._reason = self.fn.unsupported_reason(x, y)
+            self._probed = True
+        return self._reason
+
+    def per_client_bytes(self, x: torch.Tensor, extra_per_client: int = 0) -> int:
+        """A conservative estimate of the memory one more client in a cohort costs, in bytes.
+
+        Per client: its stacked vector, buffers and gradient, the optimiser state, temporaries of
+        the hooks/clipping/optimiser step, ``extra_per_client`` elements the caller keeps per client
+        (e.g. SCAFFOLD's stacked correction), and the activations of one minibatch, forward and
+        backward. Checked against measured peaks in tests/test_vectorised.py.
+        """
+        fm = self.fm
+        p, d = fm.num_params, len(fm)
+        acts = self.fn.activation_numel(x)
+        elems = 3 * d + (6 + self.optimizer.num_states) * p + extra_per_client + 4 * acts * self.cfg.batch_size
+        return int(elems * fm.vector.element_size() * 1.25)
+
+    def fit(self, members: Sequence[CohortMember], *, seed: int, round: int) -> list[MemberResult]:
+        """Train every member from its ``start``; results in ``members`` order.
+
+        Raises NotVectorisable (before training anything) when the model, a hook, or the members'
+        data cannot be trained as one cohort.
+        """
+        if not members:
+            return []
+        cfg, fm, fn = self.cfg, self.fm, self.fn
+        x, y = members[0].data.x, members[0].data.y
+        if any(m.data.x is not x or m.data.y is not y for m in members):
+            raise NotVectorisable("the clients of one cohort do not share one training tensor")
+        reason = self.unsupported_reason(x, y)
+        if reason is not None:
+            raise NotVectorisable(reason)
+        terms = stack_terms([gradient_terms(m.hooks) for m in members])
+
+        bs = cfg.batch_size
+        sizes = np.array([m.data.num_samples for m in members], dtype=np.int64)
+        steps = np.array([cfg.num_steps(int(n)) if n > 0 else 0 for n in sizes], dtype=np.int64)
+        per_epoch = sizes // bs if cfg.drop_last else -(-sizes // bs)
+        stuck = np.nonzero((steps > 0) & (per_epoch == 0))[0]
+        if stuck.size:
+            m = members[int(stuck[0])]
+            raise ValueError(f"client {m.client_id} has {m.data.num_samples} samples < train.batch_size={bs} "
+                             f"with train.drop_last: it can take none of its train.steps={cfg.steps} steps")
+        order = np.argsort(-steps, kind="stable")  # still-training clients are always a prefix
+        sizes, steps, per_epoch = sizes[order], steps[order], per_epoch[order]
+        ordered = [members[int(i)] for i in order]
+        order_t = torch.from_numpy(order).to(fm.device)
+        terms = [t.select(order_t) for t in terms]
+
+        dtype, device = fm.vector.dtype, fm.device
+        k_all, num_params = len(ordered), fm.num_params
+        starts = [m.start for m in ordered]
+        if all(s is starts[0] for s in starts):
+            vectors = starts[0].to(device, dtype).unsqueeze(0).repeat(k_all, 1)
+        else:
+            vectors = torch.stack([s.to(device, dtype) for s in starts])
+        params = vectors[:, :num_params]
+        buffers = fn.stack_buffers(vectors)
+        frozen_values = params[:, fn.frozen].clone() if fn.frozen is not None else None
+        self.optimizer.reset(k_all, num_params, params)
+
+        width = max(int(sizes.max()), 1)
+        shuffled = torch.zeros(k_all, width, dtype=torch.long, device=device)
+        epoch_starts: dict[int, list[int]] = {}
+        for i in range(k_all):
+            for s in range(0, int(steps[i]), int(per_epoch[i]) if per_epoch[i] else 1):
+                epoch_starts.setdefault(s, []).append(i)
+        generators: list[torch.Generator | None] = [None] * k_all
+        loss_sum = torch.zeros(k_all, device=device)  # float32, as the loop's accumulator
+        correct = torch.zeros(k_all, dtype=torch.long, device=device)
+        seen = np.zeros(k_all, dtype=np.int64)
+        cols = torch.arange(bs, device=device)
+
+        for s in range(int(steps.max(initial=0))):
+            k = int(np.count_nonzero(steps > s))
+            for i in epoch_starts.get(s, ()):
+                m = ordered[i]
+                gen = generators[i]
+                if gen is None:
+                    gen = generators[i] = torch_generator(seed, Stream.SHUFFLE, round, m.client_id)
+                n = int(sizes[i])
+                perm = torch.randperm(n, generator=gen).to(m.data.indices.device)
+                shuffled[i, :n] = m.data.indices[perm].to(device)
+            first = (s % per_epoch[:k]) * bs
+            batch = np.minimum(bs, sizes[:k] - first)
+            b = int(batch.max())
+            pos = (torch.from_numpy(first).to(device)[:, None] + cols[:b]).clamp_(max=width - 1)
+            idx = shuffled[:k].gather(1, pos)
+            rows = params[:k]
+            live = {name: t[:k] for name, t in buffers.items()}
+            if int(batch.min()) == b:
+                g, loss, hits = fn.grads(rows, live, *self._gather(x, y, idx))
+            elif fn.can_pad:
+                valid = cols[:b] < torch.from_numpy(batch).to(device)[:, None]
+                idx = torch.where(valid, idx, idx[:, :1])
+                g, loss, hits = fn.grads(rows, live, *self._gather(x, y, idx), valid.to(dtype))
+            else:
+                g, loss, hits = self._grads_by_batch_size(rows, live, x, y, idx, batch)
+            for term in terms:
+                term.apply(g, rows, k)
+            if cfg.clip_norm is not None:
+                norm = g.norm(dim=1, keepdim=True)
+                g.mul_(torch.clamp(cfg.clip_norm / (norm + 1e-6), max=1.0))
+            self.optimizer.step(s, rows, g)
+            if frozen_values is not None:
+                rows[:, fn.frozen] = frozen_values[:k]
+            loss_sum[:k] += loss.detach() * torch.from_numpy(batch).to(device, loss.dtype)
+            correct[:k] += hits
+            seen[:k] += batch
+
+        fn.store_buffers(buffers, vectors)
+        finite = torch.isfinite(vectors).all(dim=1).tolist()
+        losses, hits_all = loss_sum.tolist(), correct.tolist()
+        results: list[MemberResult | None] = [None] * k_all
+        for r, m in enumerate(ordered):
+            metrics = Metrics()
+            total_loss = losses[r]
+            error = None
+            if not math.isfinite(total_loss) or not finite[r]:
+                error = NonFiniteError(
+                    f"client {m.client_id} in round {round + 1}: the training loss became {total_loss} "
+                    f"(non-finite) after {int(steps[r])} steps; lower train.lr, enable train.clip_norm, "
+                    "or check the data")
+            if seen[r]:
+                metrics.add("train_loss", total_loss, int(seen[r]))
+                metrics.add("train_accuracy", float(hits_all[r]), int(seen[r]))
+            metrics.add("local_steps", int(steps[r]), 1)
+            results[int(order[r])] = MemberResult(m.client_id, vectors[r], metrics, error)
+        return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _gather(x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, b = idx.shape
+        flat = idx.reshape(-1)
+        return x.index_select(0, flat).view(k, b, *x.shape[1:]), y.index_select(0, flat).view(k, b)
+
+    def _grads_by_batch_size(self, rows: torch.Tensor, buffers: dict[str, torch.Tensor], x: torch.Tensor,
+                             y: torch.Tensor, idx: torch.Tensor, batch: np.ndarray):
+        """One vmapped call per batch size (for models whose batch statistics padding would change)."""
+        k = rows.shape[0]
+        g = rows.new_empty(rows.shape)
+        loss = rows.new_empty(k)
+        hits = torch.empty(k, dtype=torch.long, device=rows.device)
+        for b in np.unique(batch):
+            sel = torch.from_numpy(np.nonzero(batch == b)[0]).to(rows.device)
+            sub = {name: t.index_select(0, sel) for name, t in buffers.items()}
+            gs, ls, hs = self.fn.grads(rows.index_select(0, sel), sub, *self._gather(x, y, idx[sel, : int(b)]))
+            g[sel], loss[sel], hits[sel] = gs, ls, hs
+            for name, t in buffers.items():
+                t[sel] = sub[name]
+        return g, loss, hits
+
+
+# ------------------------------------------------------------------ chunk size
+
+
+def parse_cohort_size(value: object) -> int | str:
+    """``engine.cohort_size``: a positive integer, or ``auto``; anything else is a clear error."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        size = int(str(value))
+    except ValueError:
+        size = 0
+    if isinstance(value, bool) or size < 1 or str(value).strip() != str(size):
+        raise ValueError(f"engine.cohort_size must be a positive integer or 'auto', got {value!r}")
+    return size
+
+
+def free_memory(device: torch.device | str) -> int:
+    """Bytes the device can still allocate: CUDA's free memory, else the host's available RAM."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def auto_cohort_size(per_client_bytes: int, num_clients: int, free_bytes: int, fraction: float = 0.5) -> int:
+    """The largest chunk (at most ``num_clients``, at least 1) whose estimated memory fits in
+    ``fraction`` of ``free_bytes`` (the safety factor: the rest is left to everything else)."""
+    if per_client_bytes <= 0:
+        raise ValueError(f"per_client_bytes must be positive, got {per_client_bytes}")
+    fits = int(free_bytes * fraction) // per_client_bytes
+    return max(1, min(num_clients, fits))
