@@ -9,16 +9,19 @@ the inline engine, Ray workers and the Flower apps all use these classes unchang
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from fl_platform.core import Aggregate, Broadcast, ClientUpdate, RoundContext
+from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
+from fl_platform.seeding import Stream, seed_torch_global
 from fl_platform.training.flat import FlatModel
-from fl_platform.training.loop import ClientData, LocalTrainer, TrainConfig, evaluate
+from fl_platform.training.hooks import TrainHooks
+from fl_platform.training.loop import ClientData, LocalTrainer, NonFiniteError, TrainConfig, evaluate
+from fl_platform.training.vectorised import CohortMember, CohortTrainer, MemberResult, NotVectorisable
 
 
 @dataclass
@@ -56,8 +59,20 @@ class Setup:
         return self.num_params + self.num_buffers
 
 
+@dataclass
+class LocalPlan:
+    """How one client trains this round, shared by the sequential and the vectorised path: the
+    vector ``[params | buffers]`` it starts from, the hooks that change its training, and what
+    ``finish`` needs besides the trained model (``carry``, e.g. SCAFFOLD's control variate)."""
+
+    start: torch.Tensor
+    hooks: TrainHooks | None = None
+    carry: dict[str, Any] = field(default_factory=dict)
+
+
 class ClientAlgorithm:
-    """Client half. Subclasses override ``train`` or only ``hooks``."""
+    """Client half. Subclasses override ``hooks``, or ``prepare``/``finish`` (which keeps the
+    vectorised cohort path, docs/vectorised.md), or ``train`` itself (sequential only)."""
 
     def __init__(self, cfg: AlgorithmConf, setup: Setup) -> None:
         self.cfg = cfg
@@ -71,16 +86,56 @@ class ClientAlgorithm:
               trainer: LocalTrainer):
         return None
 
+    def prepare(self, ctx: RoundContext, client_id: int, broadcast: Broadcast,
+                state: dict[str, torch.Tensor] | None, data: ClientData, trainer: LocalTrainer) -> LocalPlan:
+        """Before local training: start from the global weights, train with ``hooks``."""
+        return LocalPlan(broadcast.tensors["weights"], self.hooks(ctx, broadcast, state, trainer))
+
+    def finish(self, ctx: RoundContext, client_id: int, broadcast: Broadcast,
+               state: dict[str, torch.Tensor] | None, data: ClientData, trainer: LocalTrainer,
+               plan: LocalPlan, metrics: Metrics) -> ClientUpdate:
+        """After local training (the trained model is ``trainer.fm``): FedAvg's n * delta and n."""
+        n = data.num_samples
+        delta = trainer.fm.vector - plan.start
+        return ClientUpdate(client_id, {"delta": delta.mul_(n)}, {"n": float(n)}, n, metrics)
+
     def train(self, ctx: RoundContext, client_id: int, broadcast: Broadcast,
               state: dict[str, torch.Tensor] | None, data: ClientData, trainer: LocalTrainer) -> ClientUpdate:
-        """FedAvg-style local training: start from the global weights, return n * delta and n."""
-        weights = broadcast.tensors["weights"]
-        trainer.fm.load(weights)
-        metrics = trainer.fit(data, self.hooks(ctx, broadcast, state, trainer), seed=ctx.seed,
-                              round=ctx.round, client=client_id)
-        n = data.num_samples
-        delta = trainer.fm.vector - weights
-        return ClientUpdate(client_id, {"delta": delta.mul_(n)}, {"n": float(n)}, n, metrics)
+        """One client: ``prepare``, the shared training loop, ``finish``."""
+        plan = self.prepare(ctx, client_id, broadcast, state, data, trainer)
+        trainer.fm.load(plan.start)
+        metrics = trainer.fit(data, plan.hooks, seed=ctx.seed, round=ctx.round, client=client_id)
+        return self.finish(ctx, client_id, broadcast, state, data, trainer, plan, metrics)
+
+    def train_cohort(self, ctx: RoundContext, client_ids: Sequence[int], broadcast: Broadcast,
+                     states: Sequence[dict[str, torch.Tensor] | None], datas: Sequence[ClientData],
+                     trainer: LocalTrainer, cohort: CohortTrainer,
+                     ) -> Iterator[tuple[int, ClientUpdate | NonFiniteError]]:
+        """Several clients at once (vectorised); each gets the update ``train`` would give it.
+
+        Trains eagerly, raising NotVectorisable before training anything when this algorithm has
+        no functional form; the updates are then built one by one as the caller iterates (so one
+        is alive at a time). A client whose training became non-finite yields the NonFiniteError
+        that ``train`` would have raised.
+        """
+        if type(self).train is not ClientAlgorithm.train:
+            raise NotVectorisable(f"{type(self).__name__} overrides train() rather than prepare()/finish()")
+        plans = [self.prepare(ctx, c, broadcast, s, d, trainer) for c, s, d in zip(client_ids, states, datas)]
+        members = [CohortMember(c, d, p.start, p.hooks) for c, d, p in zip(client_ids, datas, plans)]
+        results = cohort.fit(members, seed=ctx.seed, round=ctx.round)
+        return self._finish_cohort(ctx, broadcast, states, datas, trainer, plans, results)
+
+    def _finish_cohort(self, ctx: RoundContext, broadcast: Broadcast,
+                       states: Sequence[dict[str, torch.Tensor] | None], datas: Sequence[ClientData],
+                       trainer: LocalTrainer, plans: list[LocalPlan], results: list[MemberResult],
+                       ) -> Iterator[tuple[int, ClientUpdate | NonFiniteError]]:
+        for state, data, plan, res in zip(states, datas, plans, results):
+            if res.error is not None:
+                yield res.client_id, res.error
+                continue
+            trainer.fm.load(res.vector)
+            seed_torch_global(ctx.seed, Stream.TORCH, ctx.round, res.client_id)  # as after LocalTrainer.fit
+            yield res.client_id, self.finish(ctx, res.client_id, broadcast, state, data, trainer, plan, res.metrics)
 
 
 class ServerAlgorithm:

@@ -18,11 +18,12 @@ from fl_platform.algorithms.base import (
     AlgorithmConf,
     AlgorithmSpec,
     ClientAlgorithm,
+    LocalPlan,
     ServerAlgorithm,
     StateSpec,
 )
 
-from fl_platform.core import Aggregate, Broadcast, ClientUpdate, RoundContext
+from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
 from fl_platform.training.hooks import GradientCorrectionHook
 
 
@@ -36,16 +37,17 @@ class ScaffoldClient(ClientAlgorithm):
     def state_spec(self) -> dict[str, StateSpec]:
         return {"c": StateSpec(self.setup.num_params)}
 
-    def train(self, ctx: RoundContext, client_id: int, broadcast: Broadcast, state, data, trainer) -> ClientUpdate:
-        weights = broadcast.tensors["weights"]
+    def prepare(self, ctx: RoundContext, client_id: int, broadcast: Broadcast, state, data, trainer) -> LocalPlan:
         c = broadcast.tensors["c"]
-        fm = trainer.fm
         c_i = state["c"] if state is not None else torch.zeros_like(c)
-        fm.load(weights)
-        metrics = trainer.fit(data, GradientCorrectionHook(c - c_i), seed=ctx.seed, round=ctx.round,
-                              client=client_id)
+        return LocalPlan(broadcast.tensors["weights"], GradientCorrectionHook(c - c_i), {"c_i": c_i})
+
+    def finish(self, ctx: RoundContext, client_id: int, broadcast: Broadcast, state, data, trainer,
+               plan: LocalPlan, metrics: Metrics) -> ClientUpdate:
+        c, c_i = broadcast.tensors["c"], plan.carry["c_i"]
+        fm = trainer.fm
         steps = int(metrics.values["local_steps"][0])
-        delta = fm.vector - weights
+        delta = fm.vector - plan.start
         n = data.num_samples
         if steps > 0:
             c_new = c_i - c - delta[: fm.num_params] / (steps * trainer.cfg.lr)
