@@ -201,6 +201,9 @@ class EngineConf:
     scheduler_smoothing: float = 0.5  # weight of the newest round in each worker's runtime estimate
     address: str | None = None  # ray: an existing cluster to join ("auto"); None starts a local one
     fault_injection: FaultInjectionConf = field(default_factory=FaultInjectionConf)
+    # Clients a worker trains at once, vectorised (docs/vectorised.md): 1 = one by one; "auto" = as
+    # many as fit in half the device's free memory. Validated by parse_cohort_size.
+    cohort_size: Any = 1
 
 
 @dataclass

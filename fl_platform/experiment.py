@@ -28,6 +28,7 @@ from fl_platform.seeding import Stream, seed_torch_global
 from fl_platform.system.model import build_system
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.loop import TrainConfig
+from fl_platform.training.vectorised import parse_cohort_size
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,10 @@ def validate(cfg: DictConfig) -> None:
         (engine.fault_injection.client is None or enum_value(engine.name) == "ray", "engine.fault_injection",
          "is a test-only fault for Ray workers; it needs engine=ray"),
     ]
+    try:
+        parse_cohort_size(engine.cohort_size)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if "alpha" in cfg.partition:
         checks.append((cfg.partition.alpha > 0, "partition.alpha", f"must be > 0, got {cfg.partition.alpha}"))
     for ok, key, message in checks:
@@ -106,6 +111,7 @@ def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
         state_options={"cache_mb": engine.state_cache_mb,
                        **({"directory": engine.state_dir} if engine.state_dir else {})},
         nonfinite=enum_value(engine.nonfinite),
+        cohort_size=parse_cohort_size(engine.cohort_size),
         threads=threads if enum_value(engine.name) == "ray" else engine.threads_per_worker,
         compressor=OmegaConf.to_container(cfg.compressor, resolve=True) if cfg.get("compressor") else None,
         system=build_system(cfg.get("system"), cfg.seed),
@@ -180,7 +186,7 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
 RESUME_FREE_KEYS = ("resume", "checkpoint_every", "logger.", "eval_batch_size", "engine.name", "engine.num_workers",
                     "engine.device", "engine.cpus_per_worker", "engine.gpus_per_worker", "engine.threads_per_worker",
                     "engine.max_restarts", "engine.scheduler_smoothing", "engine.address", "engine.fault_injection",
-                    "engine.state_cache_mb")
+                    "engine.state_cache_mb", "engine.cohort_size")
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:

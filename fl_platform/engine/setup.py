@@ -55,6 +55,7 @@ class ExperimentSetup:
     nonfinite: str = "fail"  # "fail" the run or "skip" the client, logged either way
     threads: int | None = None  # torch intra-op threads per worker (None: leave torch's default)
     extra: dict[str, Any] = field(default_factory=dict)
+    cohort_size: int | str = 1  # clients a worker trains at once (vectorised), or "auto"
     compressor: dict[str, Any] | None = None  # the compressor group (None / name none: uplinks dense)
     system: Any = None  # fl_platform.system.SystemModel, or None: no simulated time
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,14 +25,17 @@ import torch
 from fl_platform.algorithms.registry import get_algorithm
 from fl_platform.compression.uplink import make_uplink
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
+from fl_platform.engine.scheduler import work_units
 from fl_platform.engine.setup import ExperimentSetup, resolve_device
 from fl_platform.state.distributed import DistributedStore
 from fl_platform.state.store import State, StateStore, make_store
 from fl_platform.system.model import client_stat
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.loop import ClientData, LocalTrainer, NonFiniteError
+from fl_platform.training.vectorised import CohortTrainer, NotVectorisable, auto_cohort_size, free_memory
 
 log = logging.getLogger(__name__)
+_SEQUENTIAL_REASONS: set[str] = set()  # why vectorised cohorts fell back, each logged once
 
 
 @dataclass
@@ -94,6 +98,12 @@ class Worker:
         self.uplink = make_uplink(setup.compressor, self.fm, self.client)  # None: uplinks travel dense
         self.store = store if store is not None else self.make_store()
         self.stateful = bool(self.store.specs)
+        # engine.cohort_size > 1 or auto: clients train in vectorised chunks (docs/vectorised.md).
+        self.cohort = CohortTrainer(self.fm, setup.train) if setup.cohort_size != 1 else None
+        self._pending: Iterator[tuple[int, ClientUpdate | NonFiniteError]] | None = None
+        self._chunk_end = 0
+        self._shares: dict[int, float] = {}
+        self._per_client_bytes: int | None = None
 
     def make_store(self) -> StateStore:
         options = dict(self.setup.state_options)
@@ -120,15 +130,16 @@ class Worker:
             self.store.begin_round(lent)
         bc = broadcast.to(self.device)
         acc = _Round()
-        for cid in client_ids:
+        for i, cid in enumerate(client_ids):
             self._inject_fault(ctx, cid)
             t0 = time.perf_counter()
+            chunk_seconds = self._train_chunk(ctx, bc, client_ids, i)
             update = self._train_client(ctx, bc, cid, acc)
             if update is not None:
                 self._fold(update, acc)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            acc.seconds[cid] = time.perf_counter() - t0
+            acc.seconds[cid] = time.perf_counter() - t0 - chunk_seconds + self._shares.get(cid, 0.0)
         outbox: dict[int, State] = {}
         if self.stateful:
             # Written only now that the whole round succeeded (see the module docstring). In a
@@ -158,7 +169,10 @@ class Worker:
         if self.uplink is not None:  # the compressor's state (ef.*) is not the algorithm's
             state, own = self.uplink.split_state(state)
         try:
-            update = self.client.train(ctx, cid, bc, state, self.client_data(cid), self.trainer)
+            if self._pending is not None:
+                update = self._cohort_update(cid)
+            else:
+                update = self.client.train(ctx, cid, bc, state, self.client_data(cid), self.trainer)
             if not update.is_finite():
                 raise NonFiniteError(f"client {cid} in round {ctx.round + 1}: its update contains NaN/inf")
         except NonFiniteError as err:
@@ -170,6 +184,58 @@ class Worker:
         if self.uplink is not None:  # encode, count the real bytes, keep what the server decodes
             update.state = self.uplink.merge_state(state, update.state, self.uplink.apply(ctx, cid, update, own))
         return update
+
+    def _train_chunk(self, ctx: RoundContext, bc: Broadcast, client_ids: list[int], i: int) -> float:
+        """Vectorised path: at a chunk boundary, train the next ``cohort_size`` clients at once; their
+        updates are then taken in order by ``_train_client``. Returns the seconds it took (shared out
+        over the chunk's clients by their work, for the scheduler's runtime model)."""
+        if i == 0:
+            self._pending, self._chunk_end, self._shares = None, 0, {}
+        if self.cohort is None or i < self._chunk_end:
+            return 0.0
+        t0 = time.perf_counter()
+        cids = client_ids[i : i + self._cohort_size(len(client_ids) - i)]
+        self._chunk_end = i + len(cids)
+        states = []
+        for cid in cids:
+            state = self.store.get(cid) if self.stateful else None
+            if self.uplink is not None:
+                state, _ = self.uplink.split_state(state)
+            states.append(state)
+        datas = [self.client_data(cid) for cid in cids]
+        try:
+            self._pending = self.client.train_cohort(ctx, cids, bc, states, datas, self.trainer, self.cohort)
+        except NotVectorisable as err:
+            if str(err) not in _SEQUENTIAL_REASONS:  # one line per reason and process
+                _SEQUENTIAL_REASONS.add(str(err))
+                log.warning("engine.cohort_size=%s: clients train one by one: %s", self.setup.cohort_size, err)
+            self.cohort = self._pending = None
+            return time.perf_counter() - t0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        work = [work_units(d.num_samples, self.setup.train) for d in datas]
+        self._shares = {cid: seconds * (w / sum(work) if sum(work) else 1 / len(cids)) for cid, w in zip(cids, work)}
+        return seconds
+
+    def _cohort_size(self, remaining: int) -> int:
+        """``engine.cohort_size``, or for ``auto`` what fits this worker's share of the free memory."""
+        if self.setup.cohort_size != "auto":
+            return int(self.setup.cohort_size)
+        if self._per_client_bytes is None:
+            state_numel = sum(spec.size for spec in self.store.specs.values())
+            self._per_client_bytes = self.cohort.per_client_bytes(self.data.train_x, 4 * state_numel)
+        free = free_memory(self.device) // max(1, self.options.num_workers)
+        return auto_cohort_size(self._per_client_bytes, remaining, free)
+
+    def _cohort_update(self, cid: int) -> ClientUpdate:
+        """The next update of the chunk in training (clients come in order); raises its NonFiniteError."""
+        got, outcome = next(self._pending)
+        if got != cid:
+            raise RuntimeError(f"cohort yielded client {got} where client {cid} was expected")
+        if isinstance(outcome, NonFiniteError):
+            raise outcome
+        return outcome
 
     def _fold(self, update: ClientUpdate, acc: _Round) -> None:
         """Add one accepted update into the round's running sums (or keep it, in list mode)."""
