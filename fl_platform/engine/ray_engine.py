@@ -2,8 +2,9 @@
 
 Created once per run: the experiment setup (dataset tensors included) goes through the object
 store once, and each actor keeps it on its device. Per round the broadcast is put into the
-object store once and every actor receives the same reference with its list of clients (from
-the scheduler); each returns one partial aggregate. No remote call is made per client.
+object store once (or, when small, sent inside the call, which saves a round trip) and every
+actor receives it with its list of clients (from the scheduler); each returns one partial
+aggregate. No remote call is made per client.
 
 Client state (``engine.state_store``):
 
@@ -106,6 +107,7 @@ class RayEngine(Engine):
         self.cpus_per_worker = cpus_per_worker
         self.gpus_per_worker = gpus
         self.max_restarts = int(_conf(cfg, "max_restarts", 3))
+        self.inline_bytes = 64 * 1024  # below Ray's 100 KiB limit for objects passed inside a call
         kind = setup.state_store
         backend = _conf(cfg, "state_backend", "disk")
         if kind == "memory" and num_workers > 1:
@@ -191,7 +193,9 @@ class RayEngine(Engine):
         ray = self._ray
         t0 = time.perf_counter()
         plan = self.scheduler.plan(ctx.clients)
-        bc_ref = ray.put(broadcast)
+        # A small broadcast travels inside each call (one RPC); a large one is put into the object
+        # store once and every worker reads the same copy (an extra fetch, paid once per worker).
+        bc_ref = ray.put(broadcast) if broadcast.nbytes() > self.inline_bytes else broadcast
         needs = lending_plan(plan.assignment, self.num_workers) if self.distributed and self.stateful else None
         results: list[WorkerResult | None] = [None] * self.num_workers
         parts: list[list[Any]] = [[] for _ in range(self.num_workers)]  # parts[trainer][home]: refs

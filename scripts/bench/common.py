@@ -1,0 +1,178 @@
+"""Benchmark helpers: run a measurement in a fresh child process, sample the peak RSS of its whole
+process tree (Ray's raylet, GCS and workers included), compose run configs exactly as the CLI
+does, and write a section of ``docs/benchmarks.md`` between markers without touching the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH_DIR = Path(__file__).resolve().parent
+
+
+def compose(*overrides: str):
+    """The config ``python -m fl_platform.run <overrides>`` would run (progress bar off)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from fl_platform.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=["logger.progress=false", *overrides])
+
+
+def tree_rss(pid: int) -> int:
+    """Resident set size of ``pid`` and all its descendants, in bytes (0 once it is gone)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        procs = [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total
+
+
+class PeakRSS:
+    """Samples ``tree_rss(pid)`` every ``interval`` seconds in a thread; ``peak`` is the maximum seen."""
+
+    def __init__(self, pid: int, interval: float = 0.05) -> None:
+        self.pid, self.interval, self.peak = pid, interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, tree_rss(self.pid))
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@dataclass
+class ChildResult:
+    ok: bool
+    data: dict[str, Any] = field(default_factory=dict)
+    peak_rss: int = 0
+    wall_s: float = 0.0
+    error: str = ""
+
+
+def run_child(args: list[str], timeout: float, env: dict[str, str] | None = None) -> ChildResult:
+    """Run ``python -c 'import engine; engine.child_main()' <args>`` style commands: the child writes
+    its result as JSON to the file named by ``--out``; the parent samples its process tree's RSS."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
+        out = Path(fh.name)
+    child_env = {**os.environ, **(env or {})}
+    child_env["PYTHONPATH"] = os.pathsep.join([str(BENCH_DIR), str(REPO), child_env.get("PYTHONPATH", "")])
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([*args, "--out", str(out)], env=child_env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    with PeakRSS(proc.pid) as rss:
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid)
+            proc.wait()
+    reader.join(timeout=5)
+    wall = time.perf_counter() - t0
+    _kill_tree(proc.pid)  # leftovers (Ray processes) of a child that exited without cleaning up
+    try:
+        data = json.loads(out.read_text()) if out.stat().st_size else {}
+    finally:
+        out.unlink(missing_ok=True)
+    if proc.returncode != 0 or not data:
+        tail = "".join(log)[-3000:]
+        return ChildResult(False, data, rss.peak, wall, f"exit code {proc.returncode}: {tail}")
+    return ChildResult(True, data, rss.peak, wall)
+
+
+def _kill_tree(pid: int) -> None:
+    """Stop the child's process group (it was started in its own session) and its descendants."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        procs = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(procs, timeout=10)
+
+
+def process_age_s() -> float:
+    """Seconds since this process was created (interpreter start and imports included)."""
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def write_section(path: Path, name: str, body: str, title: str = "# Benchmarks") -> None:
+    """Replace (or append) the text between ``<!-- name:start -->`` and ``<!-- name:end -->``."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    text = path.read_text() if path.exists() else f"{title}\n\n"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def hardware_line() -> str:
+    import psutil
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = psutil.virtual_memory().total / 2**30
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{os.cpu_count()} CPU cores ({cpu}), {mem:.0f} GiB RAM, {gpu}; Python {sys.version.split()[0]}, "
+            f"torch {torch.__version__}")
+
+
+def fmt(value: float | None, digits: int = 3) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.{digits}f}"
