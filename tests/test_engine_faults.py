@@ -36,10 +36,11 @@ def results(exp) -> list[dict]:
                          ids=["fedavg", "scaffold-disk", "scaffold-distributed"])
 def test_worker_killed_mid_round_does_not_change_the_result(ray_session, overrides):
     victim = sample_clients(0, 1, 100, 12)[5]  # a client of round 2 (0-based round 1)
-    clean = run(*overrides, "engine=ray", "engine.num_workers=2")
+    # Fault-free reference: inline (equal to Ray's fault-free result, see test_engine_determinism).
+    clean = run(*overrides)
     faulty = run(*overrides, "engine=ray", "engine.num_workers=2",
                  f"engine.fault_injection.client={victim}", "engine.fault_injection.round=2")
-    assert faulty.engine.restarts == 1 and clean.engine.restarts == 0
+    assert faulty.engine.restarts == 1
     assert float((faulty.simulation.server.weights - clean.simulation.server.weights).abs().max()) <= 1e-6
     assert results(faulty) == results(clean)
 

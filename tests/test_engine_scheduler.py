@@ -80,3 +80,16 @@ def test_work_units_follow_epochs_or_steps():
     assert work_units(25, TrainConfig(epochs=2, batch_size=10)) == 50
     assert work_units(25, TrainConfig(steps=3, batch_size=10)) == 30
     assert work_units(4, TrainConfig(steps=3, batch_size=10)) == 12
+
+
+def test_scheduler_keeps_most_clients_home_when_balance_allows():
+    sizes = np.full(200, 10)
+    home = lambda c: c % 2  # noqa: E731
+    sched = Scheduler(2, sizes, TrainConfig(epochs=1, batch_size=10), home=home)
+    clients = list(range(0, 40, 2)) + list(range(1, 30, 2))  # 20 homed on worker 0, 15 on worker 1
+    plan = sched.plan(clients)
+    moved = sum(1 for w, part in enumerate(plan.assignment) for c in part if home(c) != w)
+    assert moved <= 3  # only what balancing needs (2.5 clients), not half of them
+    assert abs(len(plan.assignment[0]) - len(plan.assignment[1])) <= 1
+    stats = sched.record(plan, [dict.fromkeys(part, 0.01) for part in plan.assignment], [0.18, 0.17])
+    assert stats["sched_moved_clients"] == moved

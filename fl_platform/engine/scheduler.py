@@ -144,7 +144,7 @@ class Scheduler:
     """Plans each round with LPT on the measured runtime model and reports how good the plan was."""
 
     def __init__(self, num_workers: int, sizes: Sequence[int] | Any, train: TrainConfig, *,
-                 home: Callable[[int], int] | None = None, transfer_cost: float = 0.0,
+                 home: Callable[[int], int] | None = None, transfer_cost: float | None = None,
                  smoothing: float = 0.5) -> None:
         self.num_workers = num_workers
         self.sizes = sizes
@@ -159,8 +159,13 @@ class Scheduler:
 
     def plan(self, clients: Sequence[int]) -> Plan:
         work = [self.work(c) for c in clients]
-        assignment, loads = lpt_assign(list(clients), work, self.model.seconds_per_unit(),
-                                       self.model.overheads(), home=self.home, transfer_cost=self.transfer_cost)
+        rates, overheads = self.model.seconds_per_unit(), self.model.overheads()
+        transfer = self.transfer_cost
+        if transfer is None:  # auto: moving a client must save more than a tenth of an average client
+            mean_rate, mean_overhead = sum(rates) / len(rates), sum(overheads) / len(overheads)
+            transfer = 0.1 * (mean_rate * sum(work) / max(len(work), 1) + mean_overhead)
+        assignment, loads = lpt_assign(list(clients), work, rates, overheads, home=self.home,
+                                       transfer_cost=transfer if self.home is not None else 0.0)
         return Plan(assignment, loads)
 
     def record(self, plan: Plan, client_seconds: Sequence[Mapping[int, float]],
