@@ -92,3 +92,9 @@ def test_nonfinite_update_is_skipped_and_never_averaged(algorithm):
         w.client.train = train
     ref.simulation.run()
     assert float((ref.simulation.server.weights - exp.simulation.server.weights).abs().max()) <= 1e-6
+
+
+@pytest.mark.ray
+def test_ray_engine_refuses_more_workers_than_resources(ray_session):
+    with pytest.raises(ValueError, match=r"engine\.num_workers=3 x \(engine\.cpus_per_worker=1\.0"):
+        build(compose_config(*COMMON, "engine=ray", "engine.num_workers=3"))

@@ -103,6 +103,12 @@ class RayEngine(Engine):
             if gpus is None:  # share the GPUs evenly: W workers on G GPUs get G/W each (at most 1)
                 gpus = min(1.0, total_gpus / num_workers)
             gpus = float(gpus)
+        total_cpus = float(resources.get("CPU", 0.0))
+        if num_workers * cpus_per_worker > total_cpus + 1e-9 or num_workers * gpus > total_gpus + 1e-9:
+            raise ValueError(
+                f"engine.num_workers={num_workers} x (engine.cpus_per_worker={cpus_per_worker}, "
+                f"engine.gpus_per_worker={gpus}) needs more than the Ray cluster has ({total_cpus:g} CPUs, "
+                f"{total_gpus:g} GPUs); the actors would wait forever. Lower num_workers or the per-worker resources.")
         self.num_workers = num_workers
         self.cpus_per_worker = cpus_per_worker
         self.gpus_per_worker = gpus
