@@ -431,3 +431,11 @@ def test_registry_builds_from_names_and_confs():
         make_compressor({"name": "topk", "ratoi": 0.1})
     with pytest.raises(ValueError, match="valid choices"):
         make_compressor({"name": "zip"})
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_pack_uint_fast_path_keeps_the_general_bit_layout(bits):
+    v = torch.randint(0, 2**bits, (1001,), generator=torch.Generator().manual_seed(bits))
+    general = pack_bits(v.to(torch.int32).unsqueeze(1).bitwise_right_shift(torch.arange(bits, dtype=torch.int32))
+                        .bitwise_and(1))
+    assert torch.equal(pack_uint(v, bits), general)

@@ -48,6 +48,15 @@ def test_distributions_have_their_parameters():
     assert const.compute_sps == 1000.0 and const.uplink_Bps == 10 * MBPS and const.downlink_Bps == 50 * MBPS
 
 
+def test_downlink_can_follow_the_uplink():
+    m = SystemModel(_sampled(uplink_mbps=DistConf(dist="loguniform", low=0.5, high=50.0), downlink_per_uplink=10.0), 0)
+    for c in range(5):
+        p = m.profile(c)
+        assert p.downlink_Bps == pytest.approx(10 * p.uplink_Bps)
+    with pytest.raises(ValueError, match=r"system\.downlink_per_uplink"):
+        SystemModel(_sampled(downlink_per_uplink=0.0), 0)
+
+
 def test_jitter_varies_bandwidth_by_round_deterministically():
     m = SystemModel(_sampled(jitter_sigma=0.5), seed=1)
     assert m.profile(2, 0) == SystemModel(_sampled(jitter_sigma=0.5), seed=1).profile(2, 0)

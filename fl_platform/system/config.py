@@ -27,6 +27,9 @@ class SystemConf:
     compute_sps: DistConf = field(default_factory=lambda: DistConf(value=1000.0))  # training samples / s
     uplink_mbps: DistConf = field(default_factory=lambda: DistConf(value=10.0))  # Mbit/s (10^6 bit/s)
     downlink_mbps: DistConf = field(default_factory=lambda: DistConf(value=50.0))
+    # When set, a client's downlink is its uplink times this (one network, asymmetric links) and
+    # ``downlink_mbps`` is ignored; None draws the downlink independently.
+    downlink_per_uplink: float | None = None
     latency_s: float = 0.0  # added to each transfer (download and upload)
     jitter_sigma: float = 0.0  # per-round log-normal factor on both bandwidths, drawn from (seed, round, client)
     trace: str | None = None  # name=trace: CSV with columns compute_sps, uplink_mbps, downlink_mbps

@@ -118,6 +118,8 @@ class SystemModel:
         if c.latency_s < 0 or c.jitter_sigma < 0:
             raise ValueError(f"system.latency_s and system.jitter_sigma must be >= 0, got {c.latency_s}, "
                              f"{c.jitter_sigma}")
+        if c.downlink_per_uplink is not None and not c.downlink_per_uplink > 0:
+            raise ValueError(f"system.downlink_per_uplink must be > 0 (or null), got {c.downlink_per_uplink}")
         if c.trace_assign not in ("modulo", "random"):
             raise ValueError(f"system.trace_assign must be modulo or random, got {c.trace_assign!r}")
         self.conf = c
@@ -144,6 +146,8 @@ class SystemModel:
             return row["compute_sps"], row["uplink_mbps"] * MBPS, row["downlink_mbps"] * MBPS, \
                 row.get("latency_s", c.latency_s)
         values = [draw(getattr(c, q), numpy_rng(self.seed, Stream.SYSTEM, client, i)) for i, q in enumerate(_QUANTITIES)]
+        if c.downlink_per_uplink is not None:
+            values[2] = values[1] * c.downlink_per_uplink
         return values[0], values[1] * MBPS, values[2] * MBPS, c.latency_s
 
     def profile(self, client: int, round: int | None = None) -> ClientProfile:
@@ -155,7 +159,10 @@ class SystemModel:
         if round is not None and self.conf.jitter_sigma > 0:
             s = self.conf.jitter_sigma
             up *= math.exp(s * numpy_rng(self.seed, Stream.SYSTEM, client, 3, round).standard_normal())
-            down *= math.exp(s * numpy_rng(self.seed, Stream.SYSTEM, client, 4, round).standard_normal())
+            if self.conf.downlink_per_uplink is not None:  # one network: both directions move together
+                down = up * self.conf.downlink_per_uplink
+            else:
+                down *= math.exp(s * numpy_rng(self.seed, Stream.SYSTEM, client, 4, round).standard_normal())
         return ClientProfile(sps, up, down, lat)
 
     def uplink_bandwidth(self, client: int, round: int | None = None) -> float:
