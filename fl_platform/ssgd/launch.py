@@ -1,0 +1,114 @@
+"""Entry points: the per-rank worker (``python -m fl_platform.ssgd``) and ``fl-ssgd``, which wraps torchrun.
+
+Every rank composes the config from the same overrides before joining the process group, so a
+bad override fails on every rank at once with the same message (printed by rank 0) instead of
+leaving the others waiting in a collective. The last line rank 0 prints is ``run_dir: <path>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+
+USAGE = """usage: torchrun --nproc_per_node=N -m fl_platform.ssgd [key=value ...]
+       fl-ssgd [--nproc-per-node N] [key=value ...]
+
+Overrides use Hydra syntax over conf/ssgd.yaml, e.g.
+  compressor=powersgd compressor.rank=2 model=cnn train.epochs=5 ssgd.sync=local ssgd.period=8
+--cfg prints the composed config and exits."""
+
+ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, RuntimeError, FloatingPointError)
+
+
+def _is_main() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _fail(err: BaseException) -> int:
+    if _is_main():
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+    return 1
+
+
+def run_worker(argv: list[str] | None = None) -> int:
+    """One rank's run: compose the config, join the group, train, leave the group."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(USAGE)
+        return 0
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from fl_platform.ssgd.config import compose_ssgd_config
+
+    show = "--cfg" in args
+    try:
+        cfg = compose_ssgd_config([a for a in args if a != "--cfg"])
+    except (HydraException, OmegaConfBaseException, *ERRORS) as err:
+        return _fail(err)
+    if show:
+        if _is_main():
+            print(OmegaConf.to_yaml(cfg))
+        return 0
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    from fl_platform.ssgd.distributed import init_distributed, shutdown
+    from fl_platform.ssgd.trainer import SSGDTrainer
+
+    s = cfg.ssgd
+    try:
+        ctx = init_distributed(s.backend, s.device, s.timeout_s)
+    except ERRORS as err:
+        return _fail(err)
+    try:
+        trainer = SSGDTrainer(cfg, ctx)
+        summary = trainer.run()
+    except ERRORS as err:
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            raise
+        print(f"error (rank {ctx.rank}): {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        shutdown()
+    if ctx.is_main and trainer.run_dir is not None:
+        acc = summary.get("final_test_accuracy")
+        print(f"final test accuracy: {acc:.4f} after {summary['steps']} steps ({summary['epochs']:.2f} epochs) "
+              f"on {ctx.world_size} workers, {summary['sync']}, {summary['steps_per_s']:.1f} steps/s", flush=True)
+        print(f"run_dir: {trainer.run_dir.path}", flush=True)
+    return 0
+
+
+def torchrun_command(nproc: int, overrides: list[str], standalone: bool = True,
+                     master_port: int | None = None) -> list[str]:
+    """The torchrun command line for one run on this host (loopback rendezvous)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if master_port is not None:
+        cmd += ["--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1", f"--master-port={master_port}"]
+    elif standalone:
+        cmd.append("--standalone")
+    return [*cmd, "-m", "fl_platform.ssgd", *overrides]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``fl-ssgd``: start ``--nproc-per-node`` workers on this host with torchrun (or run in place under torchrun)."""
+    parser = argparse.ArgumentParser(prog="fl-ssgd", usage=USAGE, add_help=False)
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=None)
+    parser.add_argument("-h", "--help", action="store_true")
+    known, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if known.help:
+        print(USAGE)
+        return 0
+    if "LOCAL_RANK" in os.environ:  # already a torchrun worker
+        return run_worker(overrides)
+    nproc = known.nproc_per_node or 1
+    if nproc < 1:
+        print(f"error: --nproc-per-node must be >= 1, got {nproc}", file=sys.stderr)
+        return 2
+    return subprocess.call(torchrun_command(nproc, overrides))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
