@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -26,9 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, hardware_line, write_section
+
 DOCS = REPO / "docs" / "benchmarks.md"
-START, END = "<!-- ssgd:start -->", "<!-- ssgd:end -->"
+SECTION = "ssgd"  # docs/benchmarks.md keeps it between <!-- ssgd:start --> and <!-- ssgd:end -->
 
 
 def methods(rank: int, ratio: float) -> dict[str, list[str]]:
@@ -96,15 +98,13 @@ def markdown(results: list[dict], args: argparse.Namespace, command: str, second
     r0 = results[0]
     dense = r0["dense_bytes_per_step"]
     lines = [
-        START,
         "## S-SGD: steps per second (torch.distributed, scripts/bench/ssgd.py)",
         "",
         f"`{command}` ({seconds:.0f} s wall, including process start-up and data loading).",
         "",
-        f"- Machine: {platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_version()}, "
-        f"torch {__import__('torch').__version__}; {r0['world_size']} processes on one host, backend "
-        f"{r0['backend']}, device {r0['device']}, 1 intra-op thread per process. Load average at the start: "
-        f"{load} (other jobs were running: absolute numbers are noisy, compare within the table).",
+        f"- Machine: {hardware_line()}; {r0['world_size']} processes on one host, backend {r0['backend']}, "
+        f"device {r0['device']}, 1 intra-op thread per process. Load average at the start: {load} (other "
+        "jobs were running: absolute numbers are noisy, compare within the table).",
         f"- Model: {args.model}{f' width {args.width}' if args.width else ''} ({r0['num_params'] / 1e6:.2f}M "
         f"parameters, {dense / 2**20:.1f} MiB of fp32 gradients) on {args.dataset}, batch {args.batch_size} per "
         f"worker (global {args.batch_size * r0['world_size']}), SGD lr 0.01 momentum 0.9.",
@@ -127,22 +127,8 @@ def markdown(results: list[dict], args: argparse.Namespace, command: str, second
         "a CPU forward/backward, so compression cannot buy much here and its encode/decode cost (QR, top-k "
         "selection) shows; the ranking on a real network or GPUs can differ (ACP-SGD reports 4.06x over S-SGD "
         "on 8-64 GPUs). Rerun on a quiet machine with the command above.",
-        END,
     ]
     return "\n".join(lines) + "\n"
-
-
-def write_section(section: str, path: Path = DOCS) -> None:
-    """Replace this benchmark's section of ``path`` (between the ssgd markers), keeping the others."""
-    from fl_platform.outputs import atomic_write_text
-
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        text = head + section.rstrip("\n") + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    atomic_write_text(path, text)
 
 
 def main() -> None:
@@ -183,7 +169,7 @@ def main() -> None:
     section = markdown(results, args, command.strip(), seconds, load)
     print(section)
     if args.write_docs:
-        write_section(section)
+        write_section(DOCS, SECTION, section)
         print(f"wrote {DOCS.relative_to(REPO)}")
 
 
