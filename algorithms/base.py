@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
-from fl_platform.seeding import Stream, seed_torch_global
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.hooks import TrainHooks
 from fl_platform.training.loop import ClientData, LocalTrainer, NonFiniteError, TrainConfig, evaluate
@@ -134,7 +133,6 @@ class ClientAlgorithm:
                 yield res.client_id, res.error
                 continue
             trainer.fm.load(res.vector)
-            seed_torch_global(ctx.seed, Stream.TORCH, ctx.round, res.client_id)  # as after LocalTrainer.fit
             yield res.client_id, self.finish(ctx, res.client_id, broadcast, state, data, trainer, plan, res.metrics)
 
 

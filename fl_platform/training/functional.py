@@ -95,6 +95,29 @@ def stack_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(tensors)
 
 
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where each parameter tensor lives in the flat parameter vector.
+
+    Cohort tensors stay flat (``(K, P)``: one client per row, as ``FlatModel`` lays them out) but
+    are processed one parameter tensor at a time, as lists of ``(k, numel)`` views handed to
+    ``torch._foreach_*`` ops: the per-parameter gradients ``grad`` returns are used as they come,
+    never concatenated into a flat gradient.
+    """
+
+    spans: tuple[tuple[int, int], ...]  # (offset, numel) per parameter tensor
+
+    def views(self, t: torch.Tensor, k: int) -> list[torch.Tensor]:
+        """Per-slot views of the first ``k`` rows of a ``(K, P)`` tensor, or of a shared ``(P,)`` one."""
+        if t.dim() == 1:
+            return [t[o : o + n] for o, n in self.spans]
+        rows = t[:k]
+        return [rows[:, o : o + n] for o, n in self.spans]
+
+    def subset(self, keep: list[int]) -> SlotLayout:
+        return SlotLayout(tuple(self.spans[i] for i in keep))
+
+
 @dataclass
 class StackedTerm:
     """One gradient term for a whole cohort: tensors are ``(K, P)`` rows or one shared ``(P,)``."""
@@ -112,15 +135,20 @@ class StackedTerm:
             return StackedTerm(kind, stack_rows([t.anchor for t in terms]), mu)  # type: ignore[union-attr]
         return StackedTerm(kind, stack_rows([t.correction for t in terms]))  # type: ignore[union-attr]
 
-    def apply(self, g: torch.Tensor, params: torch.Tensor, k: int) -> None:
-        """Add the term to the first ``k`` clients' gradients ``g`` (``(k, P)``) in place."""
-        t = self.tensor[:k] if self.tensor.dim() == 2 else self.tensor
+    def apply(self, grads: list[torch.Tensor], params: list[torch.Tensor], layout: SlotLayout, k: int) -> None:
+        """Add the term to the first ``k`` clients' per-slot gradients in place."""
+        parts = layout.views(self.tensor, k)
         if self.kind is CorrectionTerm:
-            g.add_(t)
-        elif isinstance(self.mu, torch.Tensor):
-            g.add_((params - t) * self.mu[:k].to(g))
+            torch._foreach_add_(grads, parts)
+            return
+        diff = torch._foreach_sub(params, parts)
+        if isinstance(self.mu, torch.Tensor):
+            mu = self.mu[:k].to(grads[0])
+            for d in diff:
+                d.mul_(mu)
+            torch._foreach_add_(grads, diff)
         else:
-            g.add_(params - t, alpha=self.mu)
+            torch._foreach_add_(grads, diff, alpha=self.mu)
 
     def select(self, order: torch.Tensor) -> StackedTerm:
         """The term with its per-client rows reordered by ``order``."""
@@ -137,6 +165,15 @@ def stack_terms(per_client: list[tuple[GradTerm, ...]]) -> list[StackedTerm]:
     return [StackedTerm.stack([terms[i] for terms in per_client]) for i in range(len(kinds[0]))]
 
 
+def clip_rows(grads: list[torch.Tensor], clip_norm: float) -> None:
+    """Per-client gradient clipping (as the loop's): scale each client's gradient by
+    ``min(1, clip_norm / (||g|| + 1e-6))``, its norm taken over all its parameter slots."""
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dim=1) for g in grads]), dim=0)
+    factor = torch.clamp(clip_norm / (norm + 1e-6), max=1.0)[:, None]
+    for g in grads:
+        g.mul_(factor)
+
+
 # ------------------------------------------------------------------ optimisers
 
 
@@ -146,7 +183,7 @@ class StackedOptimizer:
     Every client of a cohort starts at local step 0 together and the trainer only ever steps the
     first ``k`` rows (the clients still training), so step ``s`` is every stepped client's own
     step ``s``: SGD's momentum buffer is initialised at ``s == 0`` and Adam's bias correction
-    uses ``t = s + 1``, exactly as for one client.
+    uses ``t = s + 1``, exactly as for one client. Only the trainable slots are stepped.
     """
 
     def __init__(self, cfg: TrainConfig) -> None:
@@ -156,6 +193,7 @@ class StackedOptimizer:
             raise ValueError("Nesterov momentum requires momentum > 0 and dampening = 0")
         self.cfg = cfg
         self._state: list[torch.Tensor] = []
+        self.layout = SlotLayout(())
 
     @property
     def num_states(self) -> int:
@@ -164,41 +202,46 @@ class StackedOptimizer:
             return 2
         return 1 if self.cfg.momentum else 0
 
-    def reset(self, rows: int, num_params: int, like: torch.Tensor) -> None:
+    def reset(self, rows: int, num_params: int, layout: SlotLayout, like: torch.Tensor) -> None:
+        """Fresh state for ``rows`` clients, whose trainable parameters sit at ``layout``."""
+        self.layout = layout
         shape = (rows, num_params)
         if not self._state or self._state[0].shape != shape or self._state[0].device != like.device \
                 or self._state[0].dtype != like.dtype:
             self._state = [torch.empty(shape, dtype=like.dtype, device=like.device)
                            for _ in range(self.num_states)]
 
-    def step(self, s: int, params: torch.Tensor, g: torch.Tensor) -> None:
-        """Step the first ``k = len(params)`` clients (``params``, ``g``: ``(k, P)``) at local step ``s``."""
+    def step(self, s: int, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Step the first ``k`` clients' trainable slots (lists of ``(k, numel)``) at local step ``s``."""
         c = self.cfg
-        k = params.shape[0]
+        k = params[0].shape[0] if params else 0
+        if c.weight_decay:
+            grads = torch._foreach_add(grads, params, alpha=c.weight_decay)
         if c.optimizer == "sgd":
-            if c.weight_decay:
-                g = g.add(params, alpha=c.weight_decay)
             if c.momentum:
-                buf = self._state[0][:k]
+                buf = self.layout.views(self._state[0], k)
                 if s == 0:
-                    buf.copy_(g)
+                    torch._foreach_copy_(buf, grads)
                 else:
-                    buf.mul_(c.momentum).add_(g)  # dampening 0, as make_optimizer builds FlatSGD
-                g = g.add(buf, alpha=c.momentum) if c.nesterov else buf
-            params.add_(g, alpha=-c.lr)
+                    torch._foreach_mul_(buf, c.momentum)
+                    torch._foreach_add_(buf, grads)  # dampening 0, as make_optimizer builds FlatSGD
+                grads = torch._foreach_add(grads, buf, alpha=c.momentum) if c.nesterov else buf
+            torch._foreach_add_(params, grads, alpha=-c.lr)
             return
         b1, b2 = c.adam_beta1, c.adam_beta2
-        if c.weight_decay:
-            g = g.add(params, alpha=c.weight_decay)
-        m, v = self._state[0][:k], self._state[1][:k]
+        m, v = self.layout.views(self._state[0], k), self.layout.views(self._state[1], k)
         if s == 0:
-            m.zero_()
-            v.zero_()
+            torch._foreach_zero_(m)
+            torch._foreach_zero_(v)
         t = s + 1
-        m.mul_(b1).add_(g, alpha=1 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(c.adam_eps)
-        params.addcdiv_(m, denom, value=-c.lr / (1 - b1**t))
+        torch._foreach_mul_(m, b1)
+        torch._foreach_add_(m, grads, alpha=1 - b1)
+        torch._foreach_mul_(v, b2)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, math.sqrt(1 - b2**t))
+        torch._foreach_add_(denom, c.adam_eps)
+        torch._foreach_addcdiv_(params, m, denom, value=-c.lr / (1 - b1**t))
 
 
 # ------------------------------------------------------------------ the model
@@ -223,10 +266,12 @@ class FunctionalModel:
         self.buffer_slots = [s for s in fm.slots if not s.is_param]
         self.int_buffers = [(n, b) for n, b in self.model.named_buffers() if not b.is_floating_point()]
         self.batchnorms = [m for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-        self.trainable = torch.zeros(self.num_params, dtype=torch.bool, device=fm.device)
-        for lo, hi in fm.trainable_ranges():
-            self.trainable[lo:hi] = True
-        self.frozen = None if bool(self.trainable.all()) else (~self.trainable).nonzero().squeeze(1)
+        self.layout = SlotLayout(tuple((s.offset, s.numel) for s in self.param_slots))
+        named = dict(self.model.named_parameters())
+        # Frozen parameters (requires_grad False) get a zero gradient and no optimiser step, as in
+        # the loop (whose optimisers cover FlatModel.trainable_ranges only).
+        self.frozen = [i for i, s in enumerate(self.param_slots) if not named[s.name].requires_grad]
+        self.trainable = [i for i in range(len(self.param_slots)) if i not in self.frozen]
         self._plain = vmap(grad(self._client_loss, has_aux=True))
         self._masked = vmap(grad(self._client_masked_loss, has_aux=True))
         # Padding is exact unless samples of one batch interact (BatchNorm); checked by probe().
@@ -255,18 +300,18 @@ class FunctionalModel:
         return {s.name: params[:, s.offset : s.offset + s.numel].view(k, *s.shape) for s in self.param_slots}
 
     def grads(self, params: torch.Tensor, buffers: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-              weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(gradients (k, P), losses (k,), correct counts (k,)) for k clients' minibatches."""
+              weight: torch.Tensor | None = None) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """(per-slot gradients, each ``(k, numel)``; losses (k,); correct counts (k,)) for k clients."""
         views = self.param_views(params)
         if weight is None:
             g, (loss, correct) = self._plain(views, buffers, x, y)
         else:
             g, (loss, correct) = self._masked(views, buffers, x, y, weight)
         k = params.shape[0]
-        flat = torch.cat([g[s.name].reshape(k, -1) for s in self.param_slots], dim=1)
-        if self.frozen is not None:
-            flat[:, self.frozen] = 0  # frozen parameters get no gradient in the sequential loop either
-        return flat, loss, correct
+        grads = [g[s.name].reshape(k, s.numel) for s in self.param_slots]
+        for i in self.frozen:
+            grads[i] = torch.zeros_like(grads[i])
+        return grads, loss, correct
 
     def stack_buffers(self, vectors: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-client copies of every buffer: float ones from the rows of ``vectors``, integer ones
@@ -354,16 +399,14 @@ class FunctionalModel:
         fm.model.train()
         fm.grad.zero_()
         F.cross_entropy(fm.model(xb), yb).backward()
-        expected = fm.grad.clone()
-        if self.frozen is not None:
-            expected[self.frozen] = 0
+        expected = fm.grad.clone()  # frozen parameters' entries stay zero
         rows = vec.unsqueeze(0).repeat(2, 1)
-        got, _, _ = self.grads(rows[:, : self.num_params], self.stack_buffers(rows),
-                               xb.unsqueeze(0).expand(2, *xb.shape), yb.unsqueeze(0).expand(2, *yb.shape))
+        got = torch.cat(self.grads(rows[:, : self.num_params], self.stack_buffers(rows),
+                                   xb.unsqueeze(0).expand(2, *xb.shape), yb.unsqueeze(0).expand(2, *yb.shape))[0], 1)
         padded = None
         if self.can_pad:
             xp, yp = torch.cat([xb, xb[:1]]).unsqueeze(0), torch.cat([yb, yb[:1]]).unsqueeze(0)
             w = torch.tensor([[1.0, 1.0, 0.0]], dtype=vec.dtype, device=xb.device)
             one = vec.unsqueeze(0)
-            padded = self.grads(one[:, : self.num_params], self.stack_buffers(one), xp, yp, w)[0][0]
+            padded = torch.cat(self.grads(one[:, : self.num_params], self.stack_buffers(one), xp, yp, w)[0], 1)[0]
         return got, expected, padded

@@ -37,6 +37,7 @@ from fl_platform.training.functional import (
     FunctionalModel,
     NotVectorisable,
     StackedOptimizer,
+    clip_rows,
     gradient_terms,
     stack_terms,
 )
@@ -152,11 +153,14 @@ class CohortTrainer:
             vectors = torch.stack([s.to(device, dtype) for s in starts])
         params = vectors[:, :num_params]
         buffers = fn.stack_buffers(vectors)
-        frozen_values = params[:, fn.frozen].clone() if fn.frozen is not None else None
-        self.optimizer.reset(k_all, num_params, params)
+        layout, trainable = fn.layout, fn.trainable
+        self.optimizer.reset(k_all, num_params, layout.subset(trainable), params)
 
+        # Each client's current epoch order, row i = ordered[i]; refilled when its next epoch starts.
         width = max(int(sizes.max()), 1)
         shuffled = torch.zeros(k_all, width, dtype=torch.long, device=device)
+        own_rows = torch.cat([m.data.indices.to(device) for m in ordered])  # clients' rows, back to back
+        first_own = np.concatenate([[0], np.cumsum(sizes)[:-1]])
         epoch_starts: dict[int, list[int]] = {}
         for i in range(k_all):
             for s in range(0, int(steps[i]), int(per_epoch[i]) if per_epoch[i] else 1):
@@ -169,14 +173,9 @@ class CohortTrainer:
 
         for s in range(int(steps.max(initial=0))):
             k = int(np.count_nonzero(steps > s))
-            for i in epoch_starts.get(s, ()):
-                m = ordered[i]
-                gen = generators[i]
-                if gen is None:
-                    gen = generators[i] = torch_generator(seed, Stream.SHUFFLE, round, m.client_id)
-                n = int(sizes[i])
-                perm = torch.randperm(n, generator=gen).to(m.data.indices.device)
-                shuffled[i, :n] = m.data.indices[perm].to(device)
+            starting = epoch_starts.get(s)
+            if starting:
+                self._shuffle(shuffled, own_rows, first_own, sizes, starting, generators, ordered, seed, round)
             first = (s % per_epoch[:k]) * bs
             batch = np.minimum(bs, sizes[:k] - first)
             b = int(batch.max())
@@ -192,20 +191,20 @@ class CohortTrainer:
                 g, loss, hits = fn.grads(rows, live, *self._gather(x, y, idx), valid.to(dtype))
             else:
                 g, loss, hits = self._grads_by_batch_size(rows, live, x, y, idx, batch)
+            slots = layout.views(params, k)
             for term in terms:
-                term.apply(g, rows, k)
+                term.apply(g, slots, layout, k)
             if cfg.clip_norm is not None:
-                norm = g.norm(dim=1, keepdim=True)
-                g.mul_(torch.clamp(cfg.clip_norm / (norm + 1e-6), max=1.0))
-            self.optimizer.step(s, rows, g)
-            if frozen_values is not None:
-                rows[:, fn.frozen] = frozen_values[:k]
+                clip_rows(g, cfg.clip_norm)
+            if fn.frozen:
+                slots, g = [slots[i] for i in trainable], [g[i] for i in trainable]
+            self.optimizer.step(s, slots, g)
             loss_sum[:k] += loss.detach() * torch.from_numpy(batch).to(device, loss.dtype)
             correct[:k] += hits
             seen[:k] += batch
 
         fn.store_buffers(buffers, vectors)
-        finite = torch.isfinite(vectors).all(dim=1).tolist()
+        finite = self._finite_rows(vectors)
         losses, hits_all = loss_sum.tolist(), correct.tolist()
         results: list[MemberResult | None] = [None] * k_all
         for r, m in enumerate(ordered):
@@ -225,23 +224,56 @@ class CohortTrainer:
         return results  # type: ignore[return-value]
 
     @staticmethod
+    def _shuffle(shuffled: torch.Tensor, own_rows: torch.Tensor, first_own: np.ndarray, sizes: np.ndarray,
+                 starting: list[int], generators: list[torch.Generator | None], ordered: list[CohortMember],
+                 seed: int, round: int) -> None:
+        """New epoch orders for the clients ``starting`` one: ``indices[randperm(n, generator=gen)]``
+        from each client's own generator, as the loop draws them, written in one indexed copy."""
+        perms = []
+        for i in starting:
+            gen = generators[i]
+            if gen is None:
+                gen = generators[i] = torch_generator(seed, Stream.SHUFFLE, round, ordered[i].client_id)
+            perms.append(torch.randperm(int(sizes[i]), generator=gen))
+        rows = np.asarray(starting)
+        counts = sizes[rows]
+        ends = np.cumsum(counts)
+        cols = np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)
+        device = shuffled.device
+        source = torch.cat(perms).to(device) + torch.from_numpy(np.repeat(first_own[rows], counts)).to(device)
+        shuffled[torch.from_numpy(np.repeat(rows, counts)).to(device),
+                 torch.from_numpy(cols).to(device)] = own_rows[source]
+
+    @staticmethod
     def _gather(x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k, b = idx.shape
         flat = idx.reshape(-1)
         return x.index_select(0, flat).view(k, b, *x.shape[1:]), y.index_select(0, flat).view(k, b)
 
+    @staticmethod
+    def _finite_rows(vectors: torch.Tensor) -> list[bool]:
+        """Which rows hold only finite values: a row's sum is finite unless the row has a NaN/inf or
+        its finite values overflow; only rows with a non-finite sum are checked element by element."""
+        finite = torch.isfinite(vectors.sum(dim=1))
+        if not bool(finite.all()):
+            suspect = (~finite).nonzero().squeeze(1)
+            finite[suspect] = torch.isfinite(vectors[suspect]).all(dim=1)
+        return finite.tolist()
+
     def _grads_by_batch_size(self, rows: torch.Tensor, buffers: dict[str, torch.Tensor], x: torch.Tensor,
                              y: torch.Tensor, idx: torch.Tensor, batch: np.ndarray):
         """One vmapped call per batch size (for models whose batch statistics padding would change)."""
         k = rows.shape[0]
-        g = rows.new_empty(rows.shape)
+        g = [rows.new_empty(k, n) for _, n in self.fn.layout.spans]
         loss = rows.new_empty(k)
         hits = torch.empty(k, dtype=torch.long, device=rows.device)
         for b in np.unique(batch):
             sel = torch.from_numpy(np.nonzero(batch == b)[0]).to(rows.device)
             sub = {name: t.index_select(0, sel) for name, t in buffers.items()}
             gs, ls, hs = self.fn.grads(rows.index_select(0, sel), sub, *self._gather(x, y, idx[sel, : int(b)]))
-            g[sel], loss[sel], hits[sel] = gs, ls, hs
+            for full, part in zip(g, gs):
+                full[sel] = part
+            loss[sel], hits[sel] = ls, hs
             for name, t in buffers.items():
                 t[sel] = sub[name]
         return g, loss, hits
