@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 X_AXES = {"round": "round", "bytes_up": "cumulative upload bytes", "bytes_down": "cumulative download bytes",
-          "wall_time_s": "wall time (s)", "simulated_time_s": "simulated time (s)"}
+          "wall_time_s": "wall time (s)", "simulated_time_s": "cumulative simulated time (s)"}
 # Per-round fields summed over rounds (wall_time_s is already cumulative in metrics.jsonl).
 CUMULATIVE = {"bytes_up", "bytes_down", "simulated_time_s"}
 
