@@ -170,12 +170,13 @@ class ClassStats:
         h = h.detach().to(torch.float64)
         c = self.count.numel()
         n = torch.bincount(y, minlength=c).to(torch.float64)
-        s = torch.zeros_like(self.sum).index_add_(0, y, h)
-        sq = torch.zeros_like(self.sumsq).index_add_(0, y, h * h)
         self.count += n
-        self.sum += s
-        self.sumsq += sq
-        if self.mode == "last_batch":
+        if self.mode == "exact":
+            self.sum.index_add_(0, y, h)
+            self.sumsq.index_add_(0, y, h * h)
+        else:
+            s = torch.zeros_like(self.sum).index_add_(0, y, h)
+            sq = torch.zeros_like(self.sumsq).index_add_(0, y, h * h)
             present = n > 0
             mean = s[present] / n[present, None]
             self.mu[present] = mean.to(self.mu.dtype)

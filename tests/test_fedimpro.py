@@ -243,3 +243,13 @@ def test_inline_and_ray_give_the_same_result(ray_session, aggregation):
     torch.testing.assert_close(si.mu, sr.mu, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(si.sigma, sr.sigma, rtol=1e-5, atol=1e-6)
     _assert_rows_close(rows_i, rows_r)
+
+
+@pytest.mark.parametrize(("preset", "dataset", "lr"), [("fedimpro_cifar10", "cifar10", 0.1),
+                                                        ("fedimpro_fmnist", "fashion_mnist", 0.01)])
+def test_paper_presets_compose(preset, dataset, lr):
+    cfg = compose_config(f"+experiment={preset}")
+    assert (cfg.dataset.name, cfg.model.name, cfg.algorithm.name) == (dataset, "resnet18", "fedimpro")
+    assert (cfg.num_clients, cfg.clients_per_round, cfg.partition.alpha, cfg.train.batch_size) == (10, 5, 0.1, 128)
+    assert (cfg.train.lr, cfg.train.momentum, cfg.algorithm.split_after) == (lr, 0.0, "layer2")
+    assert (cfg.rounds, cfg.algorithm.weight_max_rounds) == (1000, 500)

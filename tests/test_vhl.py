@@ -221,3 +221,12 @@ def test_inline_worker_count_does_not_change_vhl():
 @pytest.mark.ray
 def test_inline_and_ray_give_the_same_result(ray_session):
     _assert_same(_run("engine=inline"), _run("engine=ray", "engine.num_workers=2"))
+
+
+@pytest.mark.parametrize(("preset", "dataset"), [("vhl_cifar10", "cifar10"), ("vhl_fmnist", "fashion_mnist")])
+def test_paper_presets_compose(preset, dataset):
+    cfg = compose_config(f"+experiment={preset}")
+    assert (cfg.dataset.name, cfg.model.name, cfg.algorithm.name) == (dataset, "resnet18", "vhl")
+    assert (cfg.num_clients, cfg.clients_per_round, cfg.partition.alpha, cfg.train.batch_size) == (10, 5, 0.1, 128)
+    assert (cfg.train.lr, cfg.train.momentum, cfg.train.weight_decay) == (0.01, 0.9, 1e-4)
+    assert (cfg.algorithm.virtual_batch_size, cfg.algorithm.generator_channels, cfg.rounds) == (128, 512, 1000)
