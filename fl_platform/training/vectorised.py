@@ -128,6 +128,7 @@ class CohortTrainer:
         if reason is not None:
             raise NotVectorisable(reason)
         terms = stack_terms([gradient_terms(m.hooks) for m in members])
+        fm.model.train()  # as LocalTrainer.fit: BatchNorm uses batch statistics and updates its buffers
 
         bs = cfg.batch_size
         sizes = np.array([m.data.num_samples for m in members], dtype=np.int64)
