@@ -4,7 +4,8 @@ Two torchrun launches: the CLI (``fl-ssgd`` -> ``torchrun -m fl_platform.ssgd``)
 and this file run as a torchrun script, which trains several scenarios in one process group (to
 pay process start-up once). Each reference replays the same shards in this process with the
 library pieces only (compressors, FlatModel, optimiser): no DDP, no hook, no collective.
-Loopback only, a free port, bounded timeouts; the launched process group is killed on timeout.
+Loopback only (c10d rendezvous on 127.0.0.1, a port the OS picks), bounded timeouts; the launched
+process group is killed on timeout.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from fl_platform.ssgd.config import compose_ssgd_config
-from fl_platform.ssgd.distributed import free_port, shard_indices
+from fl_platform.ssgd.distributed import shard_indices
+from fl_platform.ssgd.launch import torchrun_command
 
 COMMON = ["train.batch_size=16", "train.lr=0.1", "train.momentum=0.9", "ssgd.threads=1",
           "logger.progress=false", "ssgd.check_replicas=true", "log_every_steps=6"]
@@ -64,9 +66,7 @@ def _rows(run_dir: Path) -> list[dict]:
 def scenario_runs(tmp_path_factory) -> Path:
     """Every scenario trained by 2 gloo workers (this file run by torchrun); run dirs by name."""
     out = tmp_path_factory.mktemp("ssgd_dist")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}", "--nnodes=1",
-           "--node-rank=0", "--master-addr=127.0.0.1", f"--master-port={free_port()}", __file__, str(out)]
-    _launch(cmd, out)
+    _launch(torchrun_command(WORLD, [str(out)], target=(__file__,)), out)
     return out
 
 
@@ -287,12 +287,14 @@ def _worker_main(out: str) -> None:
     from fl_platform.ssgd.trainer import SSGDTrainer
 
     ctx = init_distributed("gloo", "cpu", timeout_s=120)
+    ok = False
     try:
         for name, overrides in SCENARIOS.items():
             cfg = compose_ssgd_config([*overrides, f"run_dir={Path(out) / name}"])
             SSGDTrainer(cfg, ctx).run()
+        ok = True
     finally:
-        shutdown()
+        shutdown(barrier=ok)
 
 
 if __name__ == "__main__":

@@ -81,9 +81,16 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
     return DistContext(rank, world, local_rank, local_world, dev, dist.get_backend())
 
 
-def shutdown() -> None:
+def shutdown(barrier: bool = True) -> None:
+    """Leave the process group. With ``barrier`` (the normal end of a run), first wait until every rank
+    is done: a rank tearing down its gloo connections while another still uses its own can abort
+    ("terminate called without an active exception"). After an error, skip it (peers may be stuck)."""
     if dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            if barrier and dist.get_world_size() > 1:
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 def shard_indices(num_samples: int, world_size: int, rank: int, seed: int, epoch: int,

@@ -63,16 +63,18 @@ def run_worker(argv: list[str] | None = None) -> int:
         ctx = init_distributed(s.backend, s.device, s.timeout_s)
     except ERRORS as err:
         return _fail(err)
+    ok = False
     try:
         trainer = SSGDTrainer(cfg, ctx)
         summary = trainer.run()
+        ok = True
     except ERRORS as err:
         if logging.getLogger().isEnabledFor(logging.DEBUG):
             raise
         print(f"error (rank {ctx.rank}): {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         return 1
     finally:
-        shutdown()
+        shutdown(barrier=ok)
     if ctx.is_main and trainer.run_dir is not None:
         acc = summary.get("final_test_accuracy")
         print(f"final test accuracy: {acc:.4f} after {summary['steps']} steps ({summary['epochs']:.2f} epochs) "
@@ -81,15 +83,14 @@ def run_worker(argv: list[str] | None = None) -> int:
     return 0
 
 
-def torchrun_command(nproc: int, overrides: list[str], standalone: bool = True,
-                     master_port: int | None = None) -> list[str]:
-    """The torchrun command line for one run on this host (loopback rendezvous)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    if master_port is not None:
-        cmd += ["--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1", f"--master-port={master_port}"]
-    elif standalone:
-        cmd.append("--standalone")
-    return [*cmd, "-m", "fl_platform.ssgd", *overrides]
+def torchrun_command(nproc: int, args: list[str], target: tuple[str, ...] = ("-m", "fl_platform.ssgd")) -> list[str]:
+    """torchrun for ``nproc`` workers on this host: like ``--standalone`` (c10d rendezvous on a port the
+    OS picks, so two launches never race for one), but pinned to the loopback address."""
+    import uuid
+
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
+            "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={uuid.uuid4().hex[:12]}",
+            *target, *args]
 
 
 def main(argv: list[str] | None = None) -> int:

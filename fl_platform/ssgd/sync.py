@@ -87,7 +87,9 @@ class DDPSync:
         return False
 
     def close(self) -> None:
-        pass
+        """Drop DDP (its reducer and hook) now, while the process group is still alive."""
+        self.module = self.fm.model
+        self.hook_state = None
 
 
 def _no_forward_buffer_sync() -> dict[str, bool]:

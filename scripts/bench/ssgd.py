@@ -60,7 +60,8 @@ def worker(args: argparse.Namespace) -> None:
     from fl_platform.ssgd.trainer import SSGDTrainer
 
     ctx = init_distributed("auto", "auto", timeout_s=1800)
-    results = []
+    results: list[dict] = []
+    ok = False
     try:
         for label, extra in methods(args.rank, args.ratio).items():
             cfg = compose_ssgd_config([*overrides(args), *extra, f"run_dir={Path(args.out) / str(len(results))}"])
@@ -78,8 +79,9 @@ def worker(args: argparse.Namespace) -> None:
             })
             if ctx.is_main:
                 print(json.dumps(results[-1]), flush=True)
+        ok = True
     finally:
-        shutdown()
+        shutdown(barrier=ok)
     if ctx.is_main:
         (Path(args.out) / "results.json").write_text(json.dumps(results, indent=2))
 
@@ -156,12 +158,10 @@ def main() -> None:
     load, t0 = _load(), time.perf_counter()
     command = "python scripts/bench/ssgd.py " + " ".join(a for a in sys.argv[1:] if a != "--write-docs")
     with tempfile.TemporaryDirectory(prefix="bench_ssgd_") as out:
-        from fl_platform.ssgd.distributed import free_port
+        from fl_platform.ssgd.launch import torchrun_command
 
         forwarded = [a for a in sys.argv[1:] if a != "--write-docs"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", "--nnodes=1",
-               "--node-rank=0", "--master-addr=127.0.0.1", f"--master-port={free_port()}", __file__, "--worker",
-               "--out", out, *forwarded]
+        cmd = torchrun_command(args.nproc, ["--worker", "--out", out, *forwarded], target=(__file__,))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
         subprocess.run(cmd, check=True, env=env, cwd=REPO)
         results = json.loads((Path(out) / "results.json").read_text())
