@@ -77,7 +77,8 @@ def run_worker(argv: list[str] | None = None) -> int:
         shutdown(barrier=ok)
     if ctx.is_main and trainer.run_dir is not None:
         acc = summary.get("final_test_accuracy")
-        print(f"final test accuracy: {acc:.4f} after {summary['steps']} steps ({summary['epochs']:.2f} epochs) "
+        shown = "not evaluated" if acc is None else f"{acc:.4f}"
+        print(f"final test accuracy: {shown} after {summary['steps']} steps ({summary['epochs']:.2f} epochs) "
               f"on {ctx.world_size} workers, {summary['sync']}, {summary['steps_per_s']:.1f} steps/s", flush=True)
         print(f"run_dir: {trainer.run_dir.path}", flush=True)
     return 0
