@@ -1,0 +1,130 @@
+"""The ServerApp: the simulator's round loop with Flower as the transport.
+
+It composes the experiment from the run config (``config.py``), builds the global model exactly
+as the simulator does (torch seeded from (seed, INIT), then the model factory), waits for the
+SuperNodes, and runs ``engine.simulation.Simulation`` with a ``FlowerEngine``: same sampling,
+same server step, same evaluation and the same run directory (config.yaml, partition.npz,
+metrics.jsonl, summary.json, model.pt), plus run_config.toml (what Flower was given) and
+server.log (the ServerApp's log, warnings included).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+from omegaconf import DictConfig, OmegaConf
+
+from fl_platform.algorithms.registry import get_algorithm
+from fl_platform.compression.uplink import contribution_sizes
+from fl_platform.engine.setup import resolve_device
+from fl_platform.engine.simulation import LoopConfig, Simulation
+from fl_platform.flower.config import DeployConf, from_run_config, to_toml
+from fl_platform.flower.strategy import AlgorithmStrategy, FlowerEngine
+from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
+from fl_platform.reporting import Reporter
+from fl_platform.seeding import Stream, seed_torch_global
+from fl_platform.training.flat import FlatModel
+
+log = logging.getLogger("fl_platform")
+
+
+def default_run_dir(cfg: DictConfig, run_id: int) -> Path:
+    now = datetime.now()
+    return (Path.cwd() / "outputs" / "flower" / f"{now:%Y-%m-%d}"
+            / f"{now:%H-%M-%S}_{cfg.algorithm.name}_{cfg.dataset.name}_s{cfg.seed}_run{run_id}")
+
+
+def _log_to(path: Path) -> logging.Handler:
+    """Send fl_platform's log (INFO and up) to ``path`` and to stderr (which ``flwr run --stream`` shows)."""
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.FileHandler(path)
+    handler.setFormatter(fmt)
+    logger = logging.getLogger("fl_platform")
+    logger.addHandler(handler)
+    if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+               for h in logger.handlers):
+        stream = logging.StreamHandler()
+        stream.setFormatter(fmt)
+        logger.addHandler(stream)
+    logger.setLevel(logging.INFO)
+    return handler
+
+
+def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
+               run_dir: Path | str | None = None) -> dict[str, Any]:
+    """Run the experiment described by ``run_config`` over ``grid``; returns the summary."""
+    from fl_platform.experiment import load_data, make_setup, validate
+
+    t0 = time.perf_counter()
+    cfg, deploy = from_run_config(run_config)
+    validate(cfg)
+    rd = RunDir(run_dir or deploy.run_dir or default_run_dir(cfg, run_id))
+    handler = _log_to(rd.path / "server.log")
+    reporter = Reporter(cfg.rounds, progress=False, wandb=cfg.logger.wandb, wandb_project=cfg.logger.wandb_project,
+                        wandb_mode=cfg.logger.wandb_mode, run_dir=str(rd.path),
+                        config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+                        log_every=cfg.logger.log_every)
+    summary: dict[str, Any] = {}
+    try:
+        log.info("Flower run %d: %s on %s, %d clients, results in %s", run_id, cfg.algorithm.name,
+                 cfg.dataset.name, cfg.num_clients, rd.path)
+        data = load_data(cfg)
+        setup = make_setup(cfg, data)
+        atomic_write_text(rd.config, OmegaConf.to_yaml(cfg, resolve=True))
+        atomic_write_text(rd.path / "run_config.toml", to_toml(dict(run_config)))
+        data.partition.save(rd.partition)
+        device = resolve_device(deploy.device)
+        seed_torch_global(cfg.seed, Stream.INIT)  # the simulator's initial weights
+        eval_model = FlatModel(setup.model(), device)
+        spec = get_algorithm(setup.algorithm)
+        alg_setup = setup.algorithm_setup(eval_model.num_params, eval_model.num_buffers)
+        server = spec.server(setup.algorithm_conf, alg_setup, eval_model.vector.detach().cpu().clone())
+        sizes = contribution_sizes(spec.client(setup.algorithm_conf, alg_setup), eval_model)
+        strategy = AlgorithmStrategy(server, seed=cfg.seed, num_rounds=cfg.rounds, num_clients=cfg.num_clients,
+                                     clients_per_round=cfg.clients_per_round, deploy=deploy, expected_sizes=sizes)
+        strategy.summary()
+        strategy.connect(grid)
+        loop = LoopConfig(seed=cfg.seed, rounds=cfg.rounds, clients_per_round=cfg.clients_per_round,
+                          eval_every=cfg.eval_every, eval_batch_size=cfg.eval_batch_size)
+        sim = Simulation(loop, data, server, FlowerEngine(strategy, grid), eval_model,
+                         metrics=MetricsLog(rd.metrics), reporter=reporter)
+        setup_s = time.perf_counter() - t0
+        summary = sim.run()
+        summary.update({
+            "setup_time_s": setup_s,
+            "algorithm": cfg.algorithm.name, "dataset": cfg.dataset.name, "model": cfg.model.name,
+            "partition": cfg.partition.name, "seed": cfg.seed, "num_clients": cfg.num_clients,
+            "clients_per_round": cfg.clients_per_round, "engine": "flower", "flower_run_id": run_id,
+            "nodes": {str(c): n for c, n in sorted(strategy.node_of.items())},
+        })
+        if cfg.save_model:
+            atomic_torch_save(eval_model.state_dict(server.weights), rd.model)
+        atomic_write_json(rd.summary, summary)
+        log.info("Flower run %d finished: final test accuracy %s; run_dir: %s", run_id,
+                 summary.get("final_test_accuracy"), rd.path)
+    except Exception:
+        log.exception("Flower run %d failed", run_id)
+        raise
+    finally:
+        reporter.close(summary)
+        logging.getLogger("fl_platform").removeHandler(handler)
+        handler.close()
+    return summary
+
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    run_server(grid, context.run_config, run_id=context.run_id)
+
+
+__all__ = ["DeployConf", "app", "default_run_dir", "run_server"]

@@ -1,0 +1,390 @@
+"""Flower deployment pieces, in-process (no Flower processes): run config, records, state, strategy.
+
+The whole ServerApp/ClientApp path runs here over ``LocalGrid`` (messages delivered straight to
+our ClientApp), so equality with the simulator, SCAFFOLD's per-client state, dropouts and the
+rejection of bad replies are checked in seconds; tests/test_flower_deploy.py repeats the key
+scenarios with real SuperLink/SuperNode processes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import re
+import sys
+import warnings
+import zipfile
+from io import BytesIO
+from pathlib import Path
+
+import pytest
+import torch
+from fl_platform.algorithms.registry import get_algorithm
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from omegaconf import OmegaConf
+
+from fl_platform.compression.uplink import contribution_sizes
+from fl_platform.core import Broadcast, ClientUpdate, Metrics, RoundContext
+from fl_platform.experiment import build, load_data, make_setup, run_experiment
+from fl_platform.flower import config as fc
+from fl_platform.flower.client_app import NodeSettings, build_runtime
+from fl_platform.flower.client_app import app as client_app
+from fl_platform.flower.export_config import main as export_main
+from fl_platform.flower.records import (
+    INFO,
+    UPDATE,
+    InvalidReply,
+    decode_train,
+    decode_update,
+    encode_train,
+    encode_update,
+    message_nbytes,
+)
+from fl_platform.flower.server_app import run_server
+from fl_platform.flower.state import ContextStateStore, state_tensor
+from fl_platform.flower.strategy import AlgorithmStrategy, NotEnoughReplies
+from fl_platform.seeding import Stream, seed_torch_global
+from fl_platform.training.flat import FlatModel
+
+_spec = importlib.util.spec_from_file_location("flower_utils", Path(__file__).with_name("flower_utils.py"))
+flower_utils = sys.modules.setdefault("flower_utils", importlib.util.module_from_spec(_spec))
+if not hasattr(flower_utils, "LocalGrid"):
+    _spec.loader.exec_module(flower_utils)
+LocalGrid = flower_utils.LocalGrid
+
+SMALL = ["num_clients=3", "clients_per_round=3", "rounds=3", "partition=iid", "train.epochs=1",
+         "logger.progress=false"]
+
+
+def run_config(*overrides: str, **deploy) -> dict:
+    deploy.setdefault("round_timeout", 5.0)
+    deploy.setdefault("poll_interval", 0.01)
+    deploy.setdefault("connect_timeout", 5.0)
+    return fc.flatten_config(fc.compose([*SMALL, *overrides]), fc.DeployConf(**deploy))
+
+
+def nodes(n: int = 3) -> list[dict]:
+    # threads=1: the ClientApp sets torch's threads (for this whole process): a shared machine
+    return [{"partition-id": i, "num-partitions": n, "threads": 1} for i in range(n)]
+
+
+def container(cfg) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+
+# ---------------------------------------------------------------- run config
+
+
+@pytest.mark.parametrize("overrides", [
+    ["algorithm=fedprox", "algorithm.mu=0.1", "model=cnn", "train.steps=7"],
+    ["algorithm=scaffold", "algorithm.weighting=uniform", "partition=dirichlet", "partition.alpha=0.3",
+     "train.clip_norm=2.5", "dataset.root=/some/where"],
+    ["model.hidden=[64,32]", "train.optimizer=adam", "seed=7"],
+])
+def test_run_config_round_trip(overrides):
+    cfg = fc.compose(overrides)
+    flat = fc.flatten_config(cfg, fc.DeployConf(round_timeout=12.5, min_replies=2))
+    assert all(isinstance(v, bool | int | float | str) for v in flat.values())
+    back, deploy = fc.from_run_config(flat)
+    assert container(back) == container(cfg)
+    assert (deploy.round_timeout, deploy.min_replies) == (12.5, 2)
+
+
+def test_pyproject_defaults_compose_to_the_default_experiment():
+    defaults = fc.pyproject_defaults()
+    assert defaults is not None, "pyproject.toml lacks [tool.flwr.app.config]"
+    cfg, deploy = fc.from_run_config(defaults)
+    assert container(cfg) == container(fc.compose())
+    assert deploy == fc.DeployConf()
+    # choosing another option in a run config picks up that option's own defaults
+    chosen = {**defaults, "algorithm.name": "fedprox"}
+    assert fc.from_run_config(chosen)[0].algorithm.mu == fc.compose(["algorithm=fedprox"]).algorithm.mu
+    # Keys added to conf/ since the defaults were generated can only be deployed at their default
+    # value (the SuperLink refuses a run config that sets them; export_config says so): a warning.
+    missing = sorted(set(fc.default_run_config()) - set(defaults))
+    if missing:
+        warnings.warn(f"[tool.flwr.app.config] lacks {missing}: Flower runs cannot change them; regenerate with "
+                      "`python -m fl_platform.flower.export_config --pyproject`", stacklevel=1)
+
+
+def test_run_config_errors_name_the_key():
+    flat = run_config()
+    with pytest.raises(ValueError, match="mu"):
+        fc.from_run_config({**flat, "algorithm.mu": 0.5})  # fedavg has no mu
+    with pytest.raises(ValueError, match=re.escape("deploy.'round_timout'")):
+        fc.from_run_config({**flat, "deploy.round_timout": 3.0})
+    with pytest.raises(ValueError, match=re.escape("deploy.min_replies must be >= 1")):
+        fc.from_run_config({**flat, "deploy.min_replies": 0})
+    with pytest.raises(ValueError, match=re.escape("deploy.round_timeout must be a float")):
+        fc.from_run_config({**flat, "deploy.round_timeout": "soon"})
+    with pytest.raises(ValueError, match=re.escape("not in [tool.flwr.app.config]")):
+        fc.check_keys({"nonsense": 1}, fc.pyproject_defaults())
+
+
+def test_export_config_cli_writes_a_run_config_flower_reads(tmp_path, capsys):
+    from flwr.common.config import parse_config_args
+
+    out = tmp_path / "exp.toml"
+    assert export_main(["algorithm=fedprox", "algorithm.mu=0.25", "num_clients=4", "deploy.round_timeout=30",
+                        "-o", str(out)]) == 0
+    flat = parse_config_args([str(out)])  # exactly how `flwr run --run-config exp.toml` reads it
+    cfg, deploy = fc.from_run_config(flat)
+    assert (cfg.algorithm.name, cfg.algorithm.mu, cfg.num_clients, deploy.round_timeout) == ("fedprox", 0.25, 4, 30.0)
+    assert export_main(["algorithm.muu=1"]) == 1
+    assert "muu" in capsys.readouterr().err
+    # a finished simulation run's config.yaml exports too
+    saved = tmp_path / "config.yaml"
+    saved.write_text(OmegaConf.to_yaml(fc.compose(["algorithm=scaffold", "rounds=4"])))
+    assert export_main(["--from-config", str(saved), "-o", str(out)]) == 0
+    assert fc.from_run_config(parse_config_args([str(out)]))[0].rounds == 4
+
+
+# ---------------------------------------------------------------- records and state
+
+
+def test_records_round_trip_and_sizes():
+    ctx = RoundContext(round=4, seed=3, clients=(1, 5, 9), num_rounds=10, num_clients=12)
+    bc = Broadcast({"weights": torch.randn(50), "stats": torch.randn(3, 4, dtype=torch.float64)},
+                   {"lambda": 0.5}, {5: {"rho": 0.25}, 9: {"rho": 1.0}})
+    ctx2, bc2, cid = decode_train(encode_train(ctx, bc, 5))
+    assert (ctx2, cid) == (ctx, 5)
+    assert bc2.scalars == {"lambda": 0.5} and bc2.per_client == {5: {"rho": 0.25}}
+    for k, t in bc.tensors.items():
+        assert bc2.tensors[k].dtype == t.dtype and torch.equal(bc2.tensors[k], t)
+    metrics = Metrics()
+    metrics.add("train_loss", 3.0, 6)
+    update = ClientUpdate(5, {"delta": torch.randn(50), "mask": torch.ones(2, 3)}, {"n": 6.0, "clients": 1.0}, 6,
+                          metrics, bytes_up=77)
+    content = encode_update(update)
+    back = decode_update(content)
+    assert back.client_id == 5 and back.num_samples == 6 and back.bytes_up == 77
+    assert back.weights == update.weights and back.metrics.values == {"train_loss": [3.0, 6.0]}
+    assert all(torch.equal(back.tensors[k], t) for k, t in update.tensors.items())
+    flower_utils.LocalGrid(client_app, [], {})  # sets Flower's task identity so messages can be built
+    msg = Message(content, dst_node_id=7, message_type="train")
+    assert message_nbytes(msg) > 50 * 4 + 6 * 4
+    with pytest.raises(InvalidReply, match="lacks records"):
+        decode_update(RecordDict({UPDATE: content[UPDATE]}))
+    bad = encode_update(update)
+    bad[INFO]["num_samples"] = 1.5
+    with pytest.raises(InvalidReply, match="num_samples"):
+        decode_update(bad)
+
+
+def test_context_state_store():
+    from fl_platform.algorithms.base import StateSpec
+
+    record = RecordDict()
+    store = ContextStateStore(record, {"c": StateSpec(4)})
+    assert store.get(2) is None
+    store.put(2, {"c": torch.arange(4.0)})
+    assert torch.equal(store.get(2)["c"], torch.arange(4.0))
+    assert store.clients() == [2] and torch.equal(state_tensor(record, 2, "c"), torch.arange(4.0))
+    with pytest.raises(ValueError, match="elements"):
+        store.put(2, {"c": torch.zeros(5)})
+    with pytest.raises(KeyError, match="not declared"):
+        store.put(2, {"other": torch.zeros(4)})
+
+
+def test_node_settings_errors():
+    with pytest.raises(ValueError, match="partition-id"):
+        NodeSettings.from_node_config({"partition_id": 0})
+    with pytest.raises(ValueError, match="data-mode"):
+        NodeSettings.from_node_config({"partition-id": 0, "data-mode": "remote"})
+    with pytest.raises(ValueError, match="num-partitions=5 but the run has num_clients=3"):
+        build_runtime(run_config(), {"partition-id": 0, "num-partitions": 5})
+
+
+def test_local_data_mode_uses_every_sample_of_the_nodes_dataset():
+    rt = build_runtime(run_config(), {"partition-id": 2, "data-mode": "local"})
+    part = build_runtime(run_config(), {"partition-id": 2})
+    assert rt.client_id == 2 and rt.data.num_samples > 2 * part.data.num_samples
+
+
+# ---------------------------------------------------------------- the ServerApp over an in-process grid
+
+
+def weights_of(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(Path(run_dir) / "model.pt", weights_only=True)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("algorithm", ["fedprox"])
+def test_flower_run_equals_the_simulator(tmp_path, algorithm):
+    rc = run_config(f"algorithm={algorithm}")
+    grid = LocalGrid(client_app, nodes(), rc)
+    summary = run_server(grid, rc, run_id=5, run_dir=tmp_path / "flower")
+    sim = run_experiment(fc.compose([*SMALL, f"algorithm={algorithm}"]), tmp_path / "sim")
+    assert max_diff(weights_of(tmp_path / "flower"), weights_of(tmp_path / "sim")) < 1e-5
+    assert summary["final_test_accuracy"] == pytest.approx(sim["final_test_accuracy"])
+    rows = [json.loads(line) for line in (tmp_path / "flower" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    assert all(r["num_clients"] == 3 and r["bytes_down"] > 0 and r["bytes_up"] > r["payload_bytes_up"] > 0
+               for r in rows)
+    for name in ("config.yaml", "summary.json", "partition.npz", "run_config.toml", "server.log"):
+        assert (tmp_path / "flower" / name).exists(), name
+
+
+def test_scaffold_keeps_each_clients_control_variate_across_rounds(tmp_path):
+    rc = run_config("algorithm=scaffold")
+    grid = LocalGrid(client_app, nodes(), rc)
+    history: dict[int, list[torch.Tensor]] = {0: [], 1: [], 2: []}
+
+    def snapshot(reply: Message) -> Message:
+        ctx = grid.contexts[reply.metadata.src_node_id]
+        if reply.metadata.message_type == "train":
+            cid = ctx.node_config["partition-id"]
+            history[cid].append(state_tensor(ctx.state, cid, "c").clone())
+        return reply
+
+    grid.tamper = snapshot
+    run_server(grid, rc, run_dir=tmp_path / "flower")
+    exp = build(fc.compose([*SMALL, "algorithm=scaffold"]), tmp_path / "sim")
+    exp.simulation.run()
+    sim_weights = exp.simulation.server.weights
+    flower_weights = exp.simulation.eval_model.vector_from_state_dict(weights_of(tmp_path / "flower"))
+    assert float((flower_weights - sim_weights).abs().max()) < 1e-5
+    for cid, cs in history.items():
+        assert len(cs) == 3 and float(cs[0].norm()) > 0
+        assert not torch.equal(cs[0], cs[1]) and not torch.equal(cs[1], cs[2])
+        store = getattr(exp.engine.workers[0], "store", None) if hasattr(exp.engine, "workers") else None
+        if store is not None:  # the simulator's control variate for the same client
+            assert torch.allclose(store.get(cid)["c"], cs[-1], atol=1e-5)
+
+    # control: a node that loses its state between rounds ends elsewhere
+    grid2 = LocalGrid(client_app, nodes(), rc)
+
+    def forget(reply: Message) -> Message:
+        grid2.contexts[reply.metadata.src_node_id].state = RecordDict()
+        return reply
+
+    grid2.tamper = forget
+    run_server(grid2, rc, run_dir=tmp_path / "forgetful")
+    assert max_diff(weights_of(tmp_path / "forgetful"), weights_of(tmp_path / "flower")) > 1e-4
+
+
+def dies_at_first_train(grid, node_id: int) -> None:
+    """The node answers the identify query, then never again (a device that dropped off)."""
+    push = grid.push_messages
+
+    def push_and_maybe_die(messages):
+        messages = list(messages)
+        if any(m.metadata.message_type == "train" for m in messages):
+            grid.down.add(node_id)
+        return push(messages)
+
+    grid.push_messages = push_and_maybe_die
+
+
+def test_a_node_that_never_answers_is_left_out_and_logged(tmp_path):
+    rc = run_config(round_timeout=0.3, min_replies=2)
+    grid = LocalGrid(client_app, nodes(), rc)
+    dies_at_first_train(grid, 1001)  # holds client 1
+    summary = run_server(grid, rc, run_dir=tmp_path / "run")
+    assert summary["rounds"] == 3
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["num_clients"] == 2 and r["rejected_clients"] == [1] for r in rows)
+    assert "no reply within" in rows[0]["rejected_reasons"]["1"]
+    log_text = (tmp_path / "run" / "server.log").read_text()
+    assert "WARNING" in log_text and "client 1 rejected: no reply within" in log_text
+
+    rc3 = run_config(round_timeout=0.3, min_replies=3)
+    grid3 = LocalGrid(client_app, nodes(), rc3)
+    dies_at_first_train(grid3, 1002)
+    with pytest.raises(NotEnoughReplies, match=re.escape("deploy.min_replies=3")):
+        run_server(grid3, rc3, run_dir=tmp_path / "run3")
+
+
+def test_strategy_rejects_wrong_shapes_and_non_finite_replies(caplog):
+    """Flower's Strategy API (configure_train / aggregate_train) with three tampered replies of four."""
+    n = 4
+    rc = run_config(f"num_clients={n}", f"clients_per_round={n}")
+    grid = LocalGrid(client_app, nodes(n), rc)
+    cfg, deploy = fc.from_run_config(rc)
+
+    data = load_data(cfg)
+    setup = make_setup(cfg, data)
+    seed_torch_global(cfg.seed, Stream.INIT)
+    fm = FlatModel(setup.model())
+    server = get_algorithm("fedavg").server(setup.algorithm_conf, setup.algorithm_setup(fm.num_params, fm.num_buffers),
+                                            fm.vector.detach().clone())
+    initial = server.weights.clone()
+    client = get_algorithm("fedavg").client(setup.algorithm_conf, setup.algorithm_setup(fm.num_params, fm.num_buffers))
+    strategy = AlgorithmStrategy(server, seed=cfg.seed, num_rounds=1, num_clients=n, clients_per_round=n, deploy=deploy,
+                                 expected_sizes=contribution_sizes(client, fm))
+    strategy.connect(grid)
+    good: dict[int, ClientUpdate] = {}
+
+    def tamper(reply: Message) -> Message:
+        update = decode_update(reply.content)
+        if update.client_id == 0:  # a wrong shape
+            update.tensors["delta"] = update.tensors["delta"][:-1].clone()
+        elif update.client_id == 1:  # NaN
+            update.tensors["delta"][3] = math.nan
+        elif update.client_id == 2:  # inf in a weight
+            update.weights["n"] = math.inf
+        else:
+            good[update.client_id] = update
+            return reply
+        return Message(encode_update(update), reply_to=grid.pushed[-1])
+
+    grid.tamper = tamper
+    with caplog.at_level(logging.WARNING, logger="fl_platform"):
+        messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
+        replies = grid.send_and_receive(messages)
+        arrays, metrics = strategy.aggregate_train(1, replies)
+    assert metrics["num_clients"] == 1
+    expected = initial + good[3].tensors["delta"] / good[3].weights["n"]
+    assert torch.allclose(server.weights, expected, atol=1e-6)
+    assert torch.equal(torch.from_numpy(arrays["weights"].numpy()), server.weights)
+    text = caplog.text
+    assert f"client 0 rejected: wrong sizes 'delta': {len(fm) - 1} elements, expected {len(fm)}" in text
+    assert "client 1 rejected: non-finite values in ['delta']" in text
+    assert "client 2 rejected: malformed reply: weight 'n' must be a finite number" in text
+
+
+def test_fab_holds_the_app_and_nothing_heavy():
+    from flwr.cli.build import build_fab_from_disk
+
+    root = Path(__file__).resolve().parents[1]
+    fab = build_fab_from_disk(root)
+    names = zipfile.ZipFile(BytesIO(fab)).namelist()
+    for needed in ("fl_platform/flower/server_app.py", "fl_platform/flower/client_app.py", "conf/config.yaml",
+                   "algorithms/fedavg.py", "datasets/federated.py", "pyproject.toml"):
+        assert needed in names, needed
+    assert not [n for n in names if n.startswith((".venv", "outputs", "multirun", "tests", ".git"))]
+    assert len(fab) < 5 * 2**20
+
+
+def test_consensus_rejects_a_reply_shaped_unlike_the_others():
+    ctx = RoundContext(round=0, seed=0, clients=(0, 1, 2), num_rounds=1, num_clients=3)
+    updates = [ClientUpdate(i, {"delta": torch.zeros(4), "delta_c": torch.zeros(2 if i == 1 else 3)}, {"n": 1.0}, 1)
+               for i in (2, 1, 0)]
+    rejected: dict[int, str] = {}
+    kept = AlgorithmStrategy.consensus(ctx, updates, rejected)
+    assert [u.client_id for u in kept] == [0, 2]
+    assert list(rejected) == [1] and "'delta_c': (2,)" in rejected[1]
+
+
+def test_a_compressor_runs_as_in_the_simulator(tmp_path):
+    """Top-k with error feedback: the same hook as the simulator's worker, residuals in context.state."""
+    over = ["compressor=topk", "compressor.ratio=0.05"]
+    rc = run_config(*over)
+    grid = LocalGrid(client_app, nodes(), rc)
+    run_server(grid, rc, run_dir=tmp_path / "flower")
+    run_experiment(fc.compose([*SMALL, *over]), tmp_path / "sim")
+    assert max_diff(weights_of(tmp_path / "flower"), weights_of(tmp_path / "sim")) < 1e-5
+    f_rows = [json.loads(line) for line in (tmp_path / "flower" / "metrics.jsonl").read_text().splitlines()]
+    s_rows = [json.loads(line) for line in (tmp_path / "sim" / "metrics.jsonl").read_text().splitlines()]
+    for f, s in zip(f_rows, s_rows):
+        assert f["payload_bytes_up"] == s["bytes_up"] < 0.2 * f["bytes_up"]
+        assert f["upload_ratio"] == pytest.approx(s["upload_ratio"])
+    for ctx in grid.contexts.values():
+        keys = ctx.state.array_records[f"client-{ctx.node_config['partition-id']}"].keys()
+        assert any(k.startswith("ef.") for k in keys), list(keys)
