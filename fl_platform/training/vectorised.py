@@ -76,6 +76,39 @@ class MemberResult:
     error: NonFiniteError | None = None
 
 
+@dataclass
+class _Schedule:
+    """Who trains when: clients sorted by their number of local steps (descending, stable), so the
+    clients still training at step ``s`` are the first ``count_nonzero(steps > s)`` rows."""
+
+    order: np.ndarray  # position in ``members`` of each row
+    sizes: np.ndarray  # samples per row
+    steps: np.ndarray  # TrainConfig.num_steps per row (0 for a client without samples)
+    per_epoch: np.ndarray  # steps per epoch per row
+    first_own: np.ndarray  # where each row's indices start in the concatenation of all rows' indices
+    epoch_starts: dict[int, list[int]]  # step -> rows that start an epoch (draw a new order) there
+
+    @staticmethod
+    def of(members: Sequence[CohortMember], cfg: TrainConfig) -> _Schedule:
+        bs = cfg.batch_size
+        sizes = np.array([m.data.num_samples for m in members], dtype=np.int64)
+        steps = np.array([cfg.num_steps(int(n)) if n > 0 else 0 for n in sizes], dtype=np.int64)
+        per_epoch = sizes // bs if cfg.drop_last else -(-sizes // bs)
+        stuck = np.nonzero((steps > 0) & (per_epoch == 0))[0]
+        if stuck.size:
+            m = members[int(stuck[0])]
+            raise ValueError(f"client {m.client_id} has {m.data.num_samples} samples < train.batch_size={bs} "
+                             f"with train.drop_last: it can take none of its train.steps={cfg.steps} steps")
+        order = np.argsort(-steps, kind="stable")
+        sizes, steps, per_epoch = sizes[order], steps[order], per_epoch[order]
+        epoch_starts: dict[int, list[int]] = {}
+        for i in range(len(order)):
+            for s in range(0, int(steps[i]), int(per_epoch[i]) or 1):
+                epoch_starts.setdefault(s, []).append(i)
+        first_own = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        return _Schedule(order, sizes, steps, per_epoch, first_own, epoch_starts)
+
+
 class CohortTrainer:
     """Trains many clients at once with the semantics of ``LocalTrainer.fit``.
 
@@ -130,55 +163,36 @@ class CohortTrainer:
         terms = stack_terms([gradient_terms(m.hooks) for m in members])
         fm.model.train()  # as LocalTrainer.fit: BatchNorm uses batch statistics and updates its buffers
 
-        bs = cfg.batch_size
-        sizes = np.array([m.data.num_samples for m in members], dtype=np.int64)
-        steps = np.array([cfg.num_steps(int(n)) if n > 0 else 0 for n in sizes], dtype=np.int64)
-        per_epoch = sizes // bs if cfg.drop_last else -(-sizes // bs)
-        stuck = np.nonzero((steps > 0) & (per_epoch == 0))[0]
-        if stuck.size:
-            m = members[int(stuck[0])]
-            raise ValueError(f"client {m.client_id} has {m.data.num_samples} samples < train.batch_size={bs} "
-                             f"with train.drop_last: it can take none of its train.steps={cfg.steps} steps")
-        order = np.argsort(-steps, kind="stable")  # still-training clients are always a prefix
-        sizes, steps, per_epoch = sizes[order], steps[order], per_epoch[order]
-        ordered = [members[int(i)] for i in order]
-        order_t = torch.from_numpy(order).to(fm.device)
-        terms = [t.select(order_t) for t in terms]
-
-        dtype, device = fm.vector.dtype, fm.device
-        k_all, num_params = len(ordered), fm.num_params
+        plan = _Schedule.of(members, cfg)
+        ordered = [members[int(i)] for i in plan.order]
+        terms = [t.select(torch.from_numpy(plan.order).to(fm.device)) for t in terms]
+        device, k_all, bs = fm.device, len(ordered), cfg.batch_size
         starts = [m.start for m in ordered]
         if all(s is starts[0] for s in starts):
-            vectors = starts[0].to(device, dtype).unsqueeze(0).repeat(k_all, 1)
+            vectors = starts[0].to(device, fm.vector.dtype).unsqueeze(0).repeat(k_all, 1)
         else:
-            vectors = torch.stack([s.to(device, dtype) for s in starts])
-        params = vectors[:, :num_params]
+            vectors = torch.stack([s.to(device, fm.vector.dtype) for s in starts])
+        params = vectors[:, : fm.num_params]
         buffers = fn.stack_buffers(vectors)
         layout, trainable = fn.layout, fn.trainable
-        self.optimizer.reset(k_all, num_params, layout.subset(trainable), params)
+        self.optimizer.reset(k_all, fm.num_params, layout.subset(trainable), params)
 
-        # Each client's current epoch order, row i = ordered[i]; refilled when its next epoch starts.
-        width = max(int(sizes.max()), 1)
+        # Each client's current epoch order (row i: ordered[i]), refilled when its next epoch starts.
+        width = max(int(plan.sizes.max()), 1)
         shuffled = torch.zeros(k_all, width, dtype=torch.long, device=device)
         own_rows = torch.cat([m.data.indices.to(device) for m in ordered])  # clients' rows, back to back
-        first_own = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        epoch_starts: dict[int, list[int]] = {}
-        for i in range(k_all):
-            for s in range(0, int(steps[i]), int(per_epoch[i]) if per_epoch[i] else 1):
-                epoch_starts.setdefault(s, []).append(i)
         generators: list[torch.Generator | None] = [None] * k_all
         loss_sum = torch.zeros(k_all, device=device)  # float32, as the loop's accumulator
         correct = torch.zeros(k_all, dtype=torch.long, device=device)
         seen = np.zeros(k_all, dtype=np.int64)
         cols = torch.arange(bs, device=device)
 
-        for s in range(int(steps.max(initial=0))):
-            k = int(np.count_nonzero(steps > s))
-            starting = epoch_starts.get(s)
-            if starting:
-                self._shuffle(shuffled, own_rows, first_own, sizes, starting, generators, ordered, seed, round)
-            first = (s % per_epoch[:k]) * bs
-            batch = np.minimum(bs, sizes[:k] - first)
+        for s in range(int(plan.steps.max(initial=0))):
+            k = int(np.count_nonzero(plan.steps > s))  # the clients still training: a prefix
+            if s in plan.epoch_starts:
+                self._shuffle(shuffled, own_rows, plan, plan.epoch_starts[s], generators, ordered, seed, round)
+            first = (s % plan.per_epoch[:k]) * bs
+            batch = np.minimum(bs, plan.sizes[:k] - first)
             b = int(batch.max())
             pos = (torch.from_numpy(first).to(device)[:, None] + cols[:b]).clamp_(max=width - 1)
             idx = shuffled[:k].gather(1, pos)
@@ -189,7 +203,7 @@ class CohortTrainer:
             elif fn.can_pad:
                 valid = cols[:b] < torch.from_numpy(batch).to(device)[:, None]
                 idx = torch.where(valid, idx, idx[:, :1])
-                g, loss, hits = fn.grads(rows, live, *self._gather(x, y, idx), valid.to(dtype))
+                g, loss, hits = fn.grads(rows, live, *self._gather(x, y, idx), valid.to(rows.dtype))
             else:
                 g, loss, hits = self._grads_by_batch_size(rows, live, x, y, idx, batch)
             slots = layout.views(params, k)
@@ -210,24 +224,23 @@ class CohortTrainer:
         results: list[MemberResult | None] = [None] * k_all
         for r, m in enumerate(ordered):
             metrics = Metrics()
-            total_loss = losses[r]
             error = None
-            if not math.isfinite(total_loss) or not finite[r]:
+            if not math.isfinite(losses[r]) or not finite[r]:
                 error = NonFiniteError(
-                    f"client {m.client_id} in round {round + 1}: the training loss became {total_loss} "
-                    f"(non-finite) after {int(steps[r])} steps; lower train.lr, enable train.clip_norm, "
+                    f"client {m.client_id} in round {round + 1}: the training loss became {losses[r]} "
+                    f"(non-finite) after {int(plan.steps[r])} steps; lower train.lr, enable train.clip_norm, "
                     "or check the data")
             if seen[r]:
-                metrics.add("train_loss", total_loss, int(seen[r]))
+                metrics.add("train_loss", losses[r], int(seen[r]))
                 metrics.add("train_accuracy", float(hits_all[r]), int(seen[r]))
-            metrics.add("local_steps", int(steps[r]), 1)
-            results[int(order[r])] = MemberResult(m.client_id, vectors[r], metrics, error)
+            metrics.add("local_steps", int(plan.steps[r]), 1)
+            results[int(plan.order[r])] = MemberResult(m.client_id, vectors[r], metrics, error)
         return results  # type: ignore[return-value]
 
     @staticmethod
-    def _shuffle(shuffled: torch.Tensor, own_rows: torch.Tensor, first_own: np.ndarray, sizes: np.ndarray,
-                 starting: list[int], generators: list[torch.Generator | None], ordered: list[CohortMember],
-                 seed: int, round: int) -> None:
+    def _shuffle(shuffled: torch.Tensor, own_rows: torch.Tensor, plan: _Schedule, starting: list[int],
+                 generators: list[torch.Generator | None], ordered: list[CohortMember], seed: int,
+                 round: int) -> None:
         """New epoch orders for the clients ``starting`` one: ``indices[randperm(n, generator=gen)]``
         from each client's own generator, as the loop draws them, written in one indexed copy."""
         perms = []
@@ -235,13 +248,13 @@ class CohortTrainer:
             gen = generators[i]
             if gen is None:
                 gen = generators[i] = torch_generator(seed, Stream.SHUFFLE, round, ordered[i].client_id)
-            perms.append(torch.randperm(int(sizes[i]), generator=gen))
+            perms.append(torch.randperm(int(plan.sizes[i]), generator=gen))
         rows = np.asarray(starting)
-        counts = sizes[rows]
+        counts = plan.sizes[rows]
         ends = np.cumsum(counts)
         cols = np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)
         device = shuffled.device
-        source = torch.cat(perms).to(device) + torch.from_numpy(np.repeat(first_own[rows], counts)).to(device)
+        source = torch.cat(perms).to(device) + torch.from_numpy(np.repeat(plan.first_own[rows], counts)).to(device)
         shuffled[torch.from_numpy(np.repeat(rows, counts)).to(device),
                  torch.from_numpy(cols).to(device)] = own_rows[source]
 
