@@ -38,6 +38,7 @@ from fl_platform.config import options_of
 from fl_platform.datasets.federated import FederatedDataset, build_federated_dataset
 from fl_platform.engine.setup import resolve_device
 from fl_platform.flower.config import DeployConf, from_run_config
+from fl_platform.flower.payloads import PayloadCodec
 from fl_platform.flower.records import IDENTIFY, decode_train, encode_update
 from fl_platform.flower.state import ContextStateStore
 from fl_platform.training.flat import FlatModel
@@ -99,6 +100,7 @@ class ClientRuntime:
     trainer: LocalTrainer
     client: ClientAlgorithm
     uplink: UplinkCompression | None  # the simulator's compressor hook (None: compressor=none)
+    codec: PayloadCodec | None  # puts the compressor's payload bytes on the wire
     state_specs: dict[str, StateSpec]  # the algorithm's per-client state plus the compressor's (ef.*)
 
     @property
@@ -153,7 +155,8 @@ def build_runtime(run_config: Mapping[str, Any], node_config: Mapping[str, Any])
     uplink = make_uplink(setup.compressor, fm, client)
     specs = {**client.state_spec(), **(uplink.state_spec() if uplink is not None else {})}
     log.info("client %d: %d samples of %s on %s", node.partition_id, data.num_samples, dataset.name, device)
-    return ClientRuntime(cfg, deploy, node, device, data, trainer, client, uplink, specs)
+    codec = PayloadCodec(uplink) if uplink is not None else None
+    return ClientRuntime(cfg, deploy, node, device, data, trainer, client, uplink, codec, specs)
 
 
 _RUNTIMES: OrderedDict[tuple, ClientRuntime] = OrderedDict()
@@ -191,12 +194,15 @@ def train_client(msg: Message, context: Context) -> Message:
     if not update.is_finite():
         bad = [k for k, t in update.tensors.items() if not bool(torch.isfinite(t).all())]
         raise NonFiniteError(f"client {client_id} in round {ctx.round + 1}: update tensors {bad} contain NaN/inf")
+    payloads: dict[str, torch.Tensor] = {}
     if rt.uplink is not None:  # encode, count the payload's bytes, keep what the server decodes
+        originals = {k: t.detach().clone() for k, t in update.tensors.items() if k in rt.uplink.names}
         update.state = rt.uplink.merge_state(state, update.state, rt.uplink.apply(ctx, client_id, update, own))
+        payloads = rt.codec.pack(ctx, client_id, originals, own, update.tensors)  # type: ignore[union-attr]
     if update.state is not None:
         store.put(client_id, update.state)
     update.state = None
-    return Message(encode_update(update), reply_to=msg)
+    return Message(encode_update(update, payloads), reply_to=msg)
 
 
 def identify_client(msg: Message, context: Context) -> Message:

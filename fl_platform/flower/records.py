@@ -8,7 +8,9 @@ train message (server -> client)                 reply (client -> server)
              client_id                               "metrics"  MetricRecord: name -> [sum, count]
   "tensors"  ArrayRecord: Broadcast.tensors          "info"     MetricRecord: client_id, num_samples,
   "scalars"  ConfigRecord: Broadcast.scalars                    bytes_up, num-examples (Flower's name)
-  "client"   ConfigRecord: Broadcast.per_client[id]
+  "client"   ConfigRecord: Broadcast.per_client[id]  "payloads" ArrayRecord (optional): name -> the
+                                                                compressor's payload bytes (uint8)
+                                                     "payload_shapes" MetricRecord: name -> shape
 
 Tensors keep their names, shapes and dtypes. ``message_nbytes`` is the size of a message as
 Flower serialises it (its distinct objects: identical array chunks are sent once).
@@ -26,6 +28,7 @@ from fl_platform.core import Broadcast, ClientUpdate, Metrics, RoundContext
 
 CONTEXT, TENSORS, SCALARS, CLIENT = "context", "tensors", "scalars", "client"
 UPDATE, WEIGHTS, METRICS, INFO = "update", "weights", "metrics", "info"
+PAYLOADS, PAYLOAD_SHAPES = "payloads", "payload_shapes"  # compressed tensors (see payloads.py)
 IDENTIFY = "query.identify"  # server -> node: which client (partition-id) do you hold?
 
 
@@ -75,16 +78,39 @@ def decode_train(content: RecordDict) -> tuple[RoundContext, Broadcast, int]:
     return ctx, broadcast, client_id
 
 
-def encode_update(update: ClientUpdate) -> RecordDict:
-    """A client's reply (its new state stays on the client, in ``context.state``)."""
+def encode_update(update: ClientUpdate, payloads: dict[str, torch.Tensor] | None = None) -> RecordDict:
+    """A client's reply (its new state stays on the client, in ``context.state``).
+
+    ``payloads``: compressed wire bytes that replace the tensors of the same names.
+    """
+    payloads = payloads or {}
     info = {"client_id": int(update.client_id), "num_samples": int(update.num_samples),
             "bytes_up": int(update.bytes_up), "num-examples": int(update.num_samples)}
-    return RecordDict({
-        UPDATE: encode_tensors(update.tensors),
+    content = RecordDict({
+        UPDATE: encode_tensors({k: t for k, t in update.tensors.items() if k not in payloads}),
         WEIGHTS: MetricRecord({k: float(v) for k, v in update.weights.items()}),
         METRICS: MetricRecord({k: [float(s), float(n)] for k, (s, n) in update.metrics.values.items()}),
         INFO: MetricRecord(info),
     })
+    if payloads:
+        content[PAYLOADS] = encode_tensors(payloads)
+        content[PAYLOAD_SHAPES] = MetricRecord({k: [int(d) for d in update.tensors[k].shape] for k in payloads})
+    return content
+
+
+def decode_payloads(content: RecordDict) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]]]:
+    """A reply's compressed payloads (uint8 tensors) and the shapes of the tensors they encode."""
+    if PAYLOADS not in content:
+        return {}, {}
+    try:
+        payloads = _tensors(content.array_records[PAYLOADS])
+        shapes = {k: tuple(int(d) for d in v) for k, v in content.metric_records[PAYLOAD_SHAPES].items()}
+    except Exception as err:
+        raise InvalidReply(f"reply payloads cannot be read: {err!r}") from err
+    bad = [k for k, t in payloads.items() if t.dtype != torch.uint8 or t.dim() != 1]
+    if bad:
+        raise InvalidReply(f"payloads {bad} are not byte strings")
+    return payloads, shapes
 
 
 def _finite_number(name: str, value: Any) -> float:

@@ -22,10 +22,11 @@ from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig, OmegaConf
 
 from fl_platform.algorithms.registry import get_algorithm
-from fl_platform.compression.uplink import contribution_sizes
+from fl_platform.compression.uplink import contribution_sizes, make_uplink
 from fl_platform.engine.setup import resolve_device
 from fl_platform.engine.simulation import LoopConfig, Simulation
 from fl_platform.flower.config import DeployConf, from_run_config, to_toml
+from fl_platform.flower.payloads import PayloadCodec
 from fl_platform.flower.strategy import AlgorithmStrategy, FlowerEngine
 from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
 from fl_platform.reporting import Reporter
@@ -86,9 +87,12 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
         spec = get_algorithm(setup.algorithm)
         alg_setup = setup.algorithm_setup(eval_model.num_params, eval_model.num_buffers)
         server = spec.server(setup.algorithm_conf, alg_setup, eval_model.vector.detach().cpu().clone())
-        sizes = contribution_sizes(spec.client(setup.algorithm_conf, alg_setup), eval_model)
+        client_half = spec.client(setup.algorithm_conf, alg_setup)  # what its replies look like
+        uplink = make_uplink(setup.compressor, eval_model, client_half)
         strategy = AlgorithmStrategy(server, seed=cfg.seed, num_rounds=cfg.rounds, num_clients=cfg.num_clients,
-                                     clients_per_round=cfg.clients_per_round, deploy=deploy, expected_sizes=sizes)
+                                     clients_per_round=cfg.clients_per_round, deploy=deploy,
+                                     expected_sizes=contribution_sizes(client_half, eval_model),
+                                     codec=PayloadCodec(uplink) if uplink is not None else None)
         strategy.summary()
         strategy.connect(grid)
         loop = LoopConfig(seed=cfg.seed, rounds=cfg.rounds, clients_per_round=cfg.clients_per_round,

@@ -35,9 +35,11 @@ from fl_platform.engine.base import Engine
 from fl_platform.engine.sampling import sample_clients
 from fl_platform.engine.worker import WorkerResult
 from fl_platform.flower.config import DeployConf
+from fl_platform.flower.payloads import PayloadCodec
 from fl_platform.flower.records import (
     IDENTIFY,
     InvalidReply,
+    decode_payloads,
     decode_update,
     encode_tensors,
     encode_train,
@@ -74,8 +76,9 @@ class AlgorithmStrategy(Strategy):
 
     def __init__(self, server: ServerAlgorithm, *, seed: int, num_rounds: int, num_clients: int,
                  clients_per_round: int, deploy: DeployConf | None = None,
-                 expected_sizes: dict[str, int] | None = None) -> None:
+                 expected_sizes: dict[str, int] | None = None, codec: PayloadCodec | None = None) -> None:
         self.server = server
+        self.codec = codec  # decodes compressed uplinks (None: the run has no compressor)
         self.expected_sizes = dict(expected_sizes or {})  # name -> numel a valid contribution tensor has
         self.seed = seed
         self.num_rounds = num_rounds
@@ -249,6 +252,11 @@ class AlgorithmStrategy(Strategy):
             if update.client_id != cid:
                 rejected[cid] = f"reply claims to be client {update.client_id}"
                 continue
+            try:
+                self.unpack(ctx, update, reply)
+            except (InvalidReply, ValueError, RuntimeError) as err:
+                rejected[cid] = f"undecodable payload: {err}"
+                continue
             wrong = {k: (t.numel(), self.expected_sizes[k]) for k, t in update.tensors.items()
                      if k in self.expected_sizes and t.numel() != self.expected_sizes[k]}
             if wrong:
@@ -286,6 +294,18 @@ class AlgorithmStrategy(Strategy):
         return WorkerResult(worker_id=0, aggregate=aggregate, updates=updates, metrics=metrics,
                             client_seconds={}, busy_seconds=time.perf_counter() - plan.started,
                             bytes_up=bytes_up, bytes_down=plan.bytes_down, rejected=rejected)
+
+    def unpack(self, ctx: RoundContext, update: ClientUpdate, reply: Message) -> None:
+        """Decode the compressed payloads of a reply into ``update.tensors`` (see payloads.py)."""
+        payloads, shapes = decode_payloads(reply.content)
+        if not payloads:
+            return
+        if self.codec is None:
+            raise InvalidReply(f"compressed payloads {sorted(payloads)} but this run has no compressor")
+        clash = sorted(set(payloads) & set(update.tensors))
+        if clash:
+            raise InvalidReply(f"tensors {clash} sent both dense and compressed")
+        update.tensors.update(self.codec.unpack(ctx, update.client_id, payloads, shapes))
 
     @staticmethod
     def consensus(ctx: RoundContext, candidates: list[ClientUpdate], rejected: dict[int, str]) -> list[ClientUpdate]:
