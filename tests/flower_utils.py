@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message, Metadata, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -38,8 +38,9 @@ BIN = Path(sys.executable).parent
 class LocalGrid(Grid):
     """A Grid whose nodes run ``client_app`` in this process, synchronously at push time.
 
-    ``down`` holds node ids that never answer (a node that died); ``tamper(reply)`` may rewrite
-    a reply before the server pulls it (to test rejection).
+    ``down`` holds node ids that never answer (a node that died unnoticed), ``unavailable`` node
+    ids for which the SuperLink answers itself with "node unavailable" (a node known to be
+    offline); ``tamper(reply)`` may rewrite a reply before the server pulls it (to test rejection).
     """
 
     def __init__(self, client_app: Any, node_configs: Iterable[Mapping[str, Any]], run_config: Mapping[str, Any],
@@ -54,6 +55,7 @@ class LocalGrid(Grid):
             for i, nc in enumerate(node_configs)
         }
         self.down: set[int] = set()
+        self.unavailable: set[int] = set()
         self.tamper: Callable[[Message], Message | None] | None = None
         self._replies: dict[str, Message] = {}
         self.pushed: list[Message] = []
@@ -84,6 +86,14 @@ class LocalGrid(Grid):
             ids.append(mid)
             nid = msg.metadata.dst_node_id
             if nid in self.down:
+                continue
+            if nid in self.unavailable:  # as the SuperLink makes it: from the SuperLink itself
+                md = msg.metadata
+                self._replies[mid] = Message(
+                    Error(code=5, reason="Error: Node Unavailable"),
+                    metadata=Metadata(run_id=md.run_id, message_id="", src_node_id=1, dst_node_id=1,
+                                      reply_to_message_id=mid, group_id=md.group_id, created_at=time.time(),
+                                      ttl=md.ttl, message_type=md.message_type))
                 continue
             try:
                 reply = self.app(msg, self.contexts[nid])

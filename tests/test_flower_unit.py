@@ -269,14 +269,15 @@ def test_scaffold_keeps_each_clients_control_variate_across_rounds(tmp_path):
     assert max_diff(weights_of(tmp_path / "forgetful"), weights_of(tmp_path / "flower")) > 1e-4
 
 
-def dies_at_first_train(grid, node_id: int) -> None:
-    """The node answers the identify query, then never again (a device that dropped off)."""
+def dies_at_first_train(grid, node_id: int, known: bool = False) -> None:
+    """The node answers the identify query, then never again (a device that dropped off);
+    ``known``: the SuperLink noticed and answers for it with "node unavailable"."""
     push = grid.push_messages
 
     def push_and_maybe_die(messages):
         messages = list(messages)
         if any(m.metadata.message_type == "train" for m in messages):
-            grid.down.add(node_id)
+            (grid.unavailable if known else grid.down).add(node_id)
         return push(messages)
 
     grid.push_messages = push_and_maybe_die
@@ -293,6 +294,12 @@ def test_a_node_that_never_answers_is_left_out_and_logged(tmp_path):
     assert "no reply within" in rows[0]["rejected_reasons"]["1"]
     log_text = (tmp_path / "run" / "server.log").read_text()
     assert "WARNING" in log_text and "client 1 rejected: no reply within" in log_text
+
+    grid2 = LocalGrid(client_app, nodes(), rc)
+    dies_at_first_train(grid2, 1002, known=True)
+    run_server(grid2, rc, run_dir=tmp_path / "run2")
+    rows = [json.loads(line) for line in (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["rejected_clients"] == [2] and "Node Unavailable" in r["rejected_reasons"]["2"] for r in rows)
 
     rc3 = run_config(round_timeout=0.3, min_replies=3)
     grid3 = LocalGrid(client_app, nodes(), rc3)

@@ -94,9 +94,12 @@ class AlgorithmStrategy(Strategy):
 
     # ------------------------------------------------------------------ nodes
 
-    def _register(self, reply: Message) -> None:
-        """Record which client the node that sent this identify reply holds (or why it holds none)."""
-        nid = reply.metadata.src_node_id
+    def _register(self, nid: int, reply: Message) -> None:
+        """Record which client node ``nid`` holds from its identify reply (or why it holds none).
+
+        The node id comes from our own record of the query: an error reply made by the SuperLink
+        (node unavailable) names the SuperLink as its source.
+        """
         if reply.has_error():
             self.refused[nid] = f"identify failed: {reply.error.reason}"
             log.error("SuperNode %d cannot take part: %s", nid, reply.error.reason)
@@ -135,8 +138,9 @@ class AlgorithmStrategy(Strategy):
         self.refused = {n: r for n, r in self.refused.items() if n in online}
         if self._identifying:
             for reply in grid.pull_messages(sorted(self._identifying)):
-                if self._identifying.pop(reply.metadata.reply_to_message_id, None) is not None:
-                    self._register(reply)
+                asked = self._identifying.pop(reply.metadata.reply_to_message_id, None)
+                if asked is not None:
+                    self._register(asked[0], reply)
             now = time.monotonic()
             for mid, (nid, sent) in list(self._identifying.items()):
                 if nid not in online or now - sent > self.deploy.round_timeout:
@@ -233,11 +237,15 @@ class AlgorithmStrategy(Strategy):
         candidates: list[ClientUpdate] = []
         bytes_up = 0
         seen: set[int] = set()
+        # Replies are matched to clients by the message they answer: a SuperLink-made error reply
+        # (node unavailable) names the SuperLink, not the node, as its source.
+        client_of_message = {m.metadata.message_id: plan.client_of_node[m.metadata.dst_node_id]
+                             for m in plan.messages}
         for reply in replies:
-            nid = reply.metadata.src_node_id
-            cid = plan.client_of_node.get(nid)
+            cid = client_of_message.get(reply.metadata.reply_to_message_id)
             if cid is None or cid in seen:
-                log.warning("round %d: ignored an unexpected reply from SuperNode %d", ctx.round + 1, nid)
+                log.warning("round %d: ignored an unexpected reply (from node %d)", ctx.round + 1,
+                            reply.metadata.src_node_id)
                 continue
             seen.add(cid)
             bytes_up += message_nbytes(reply)
