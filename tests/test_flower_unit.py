@@ -215,12 +215,19 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("algorithm", ["fedprox"])
-def test_flower_run_equals_the_simulator(tmp_path, algorithm):
-    rc = run_config(f"algorithm={algorithm}")
+FUSEFL = ["algorithm=fusefl", "model=cnn", "model.channels=[8,16]", "model.hidden=32", "algorithm.blocks=2",
+          "algorithm.sample_per_class=50"]
+
+
+@pytest.mark.parametrize("overrides", [["algorithm=fedprox"], FUSEFL], ids=["fedprox", "fusefl-list-mode"])
+def test_flower_run_equals_the_simulator(tmp_path, overrides):
+    """FedProx (summable, a training hook) and FuseFL (non-summable: the server gets the replies as a
+    list sorted by client id; per-client state across rounds) through the ServerApp/ClientApp."""
+    rounds = 3
+    rc = run_config(*overrides, f"rounds={rounds}")
     grid = LocalGrid(client_app, nodes(), rc)
     summary = run_server(grid, rc, run_id=5, run_dir=tmp_path / "flower")
-    sim = run_experiment(fc.compose([*SMALL, f"algorithm={algorithm}"]), tmp_path / "sim")
+    sim = run_experiment(fc.compose([*SMALL, *overrides, f"rounds={rounds}"]), tmp_path / "sim")
     assert max_diff(weights_of(tmp_path / "flower"), weights_of(tmp_path / "sim")) < 1e-5
     assert summary["final_test_accuracy"] == pytest.approx(sim["final_test_accuracy"])
     rows = [json.loads(line) for line in (tmp_path / "flower" / "metrics.jsonl").read_text().splitlines()]
