@@ -17,6 +17,7 @@ Methods (all without error feedback, the card's BAOW default, so the Top-k basel
   baow         BAOW: BCRS ratios rho_k = min(1, rho0 b_k / b_min) and OPWA aggregation
   topk_rho0    FedAvg + Top-k at BAOW's straggler ratio rho0 (same straggler bytes, fewer in total)
   baow_plain   BAOW's ratios with plain FedAvg division instead of OPWA (ablation)
+  baow_cap2    BAOW with OPWA's amplification capped at 2x (gamma_max = 2, the card's safeguard)
 Run directories go to outputs/results/compression/ (not committed); tables and plots to docs/results/.
 """
 
@@ -50,7 +51,8 @@ COMMON = ["dataset=fashion_mnist", "model=mlp", "model.hidden=[128]", "partition
           "num_clients=100", "clients_per_round=10", "train.epochs=1", "train.batch_size=32", "train.lr=0.05",
           "system=heterogeneous", "save_model=false"]
 LABELS = {"fedavg": "FedAvg (dense)", "topk_equal": "FedAvg + Top-k, uniform ratio, BAOW's mean bytes",
-          "baow": "BAOW (BCRS + OPWA)", "topk_rho0": "FedAvg + Top-k at rho0", "baow_plain": "BAOW ratios, plain averaging"}
+          "baow": "BAOW (BCRS + OPWA)", "topk_rho0": "FedAvg + Top-k at rho0", "baow_plain": "BAOW ratios, plain averaging",
+          "baow_cap2": "BAOW, OPWA capped at gamma_max = 2"}
 
 
 def method_overrides(method: str, rho0: float, rho_equal: float) -> list[str]:
@@ -59,7 +61,8 @@ def method_overrides(method: str, rho0: float, rho_equal: float) -> list[str]:
             "topk_equal": ["algorithm=fedavg", *topk, f"compressor.ratio={rho_equal:.6f}"],
             "topk_rho0": ["algorithm=fedavg", *topk, f"compressor.ratio={rho0}"],
             "baow": ["algorithm=baow", f"algorithm.rho0={rho0}"],
-            "baow_plain": ["algorithm=baow", f"algorithm.rho0={rho0}", "algorithm.aggregation=plain"]}[method]
+            "baow_plain": ["algorithm=baow", f"algorithm.rho0={rho0}", "algorithm.aggregation=plain"],
+            "baow_cap2": ["algorithm=baow", f"algorithm.rho0={rho0}", "algorithm.gamma_max=2"]}[method]
 
 
 def topk_bytes(slots, ratio: float) -> int:
@@ -109,6 +112,15 @@ def run_all(methods: list[str], seeds: list[int], rounds: int, rho0: float, rho_
     return out
 
 
+def run_minutes(runs: dict[str, list[Path]]) -> float:
+    total = 0.0
+    for paths in runs.values():
+        for p in paths:
+            s = json.loads((p / "summary.json").read_text())
+            total += s.get("wall_time_s", 0.0) + s.get("setup_time_s", 0.0)
+    return total / 60
+
+
 def series(path: Path, x: str) -> tuple[list[float], list[float]]:
     return plot._series(plot.load_run(path), x, "test_accuracy")
 
@@ -126,20 +138,22 @@ def _ms(values: list[float], fmt: str = "{:.1f}") -> str:
 
 
 def summarise(runs: dict[str, list[Path]], targets: list[float]) -> tuple[str, dict[str, Any]]:
-    lines = ["| method | final acc (%) | mean acc, last 10 rounds (%) | simulated time, all rounds (s) | "
-             "slowest upload, summed over rounds (s) | upload / client / round (KiB) | upload spread max/min (median) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| method | final acc (%) | mean acc, last 50 rounds (%) | round-to-round std, last 50 (points) | "
+             "simulated time, all rounds (s) | slowest upload, summed over rounds (s) | upload / client / round (KiB) | "
+             "upload spread max/min (median) |",
+             "|---|---|---|---|---|---|---|---|"]
     stats: dict[str, Any] = {}
     for m, paths in runs.items():
         rows = [plot.load_run(p)["rows"] for p in paths]
         final = [100 * r[-1]["test_accuracy"] for r in rows]
-        last10 = [100 * statistics.fmean(x["test_accuracy"] for x in r[-10:]) for r in rows]
+        last = [100 * statistics.fmean(x["test_accuracy"] for x in r[-50:]) for r in rows]
+        swing = [100 * statistics.stdev(x["test_accuracy"] for x in r[-50:]) for r in rows]
         sim = [sum(x["simulated_time_s"] for x in r) for r in rows]
         up = [sum(x["sim_upload_max_s"] for x in r) for r in rows]
         per_client = [sum(x["bytes_up"] for x in r) / sum(x["num_clients"] for x in r) / 1024 for r in rows]
         spread = [statistics.median(x["sim_upload_max_s"] / x["sim_upload_min_s"] for x in r) for r in rows]
         stats[m] = {"per_client_bytes": statistics.fmean(per_client) * 1024, "sim_total": sim}
-        lines.append(f"| {LABELS[m]} | {_ms(final)} | {_ms(last10)} | {_ms(sim, '{:.0f}')} | {_ms(up, '{:.0f}')} | "
+        lines.append(f"| {LABELS[m]} | {_ms(final)} | {_ms(last)} | {_ms(swing)} | {_ms(sim, '{:.0f}')} | {_ms(up, '{:.0f}')} | "
                      f"{_ms(per_client)} | {_ms(spread, '{:.1f}')} |")
     table = "\n".join(lines)
     for target in targets:
@@ -156,7 +170,7 @@ def summarise(runs: dict[str, list[Path]], targets: list[float]) -> tuple[str, d
     return table, stats
 
 
-def figures(runs: dict[str, list[Path]], out: Path) -> list[Path]:
+def figures(runs: dict[str, list[Path]], out: Path, smooth: int = 5) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -173,12 +187,16 @@ def figures(runs: dict[str, list[Path]], out: Path) -> list[Path]:
             n = min(len(s[0]) for s in ss)
             xs = np.mean([s[0][:n] for s in ss], axis=0) * scale
             ys = 100 * np.array([s[1][:n] for s in ss])
+            if smooth > 1:  # trailing mean over the last ``smooth`` evaluations (the first ones average fewer)
+                c = np.cumsum(ys, axis=1)
+                c[:, smooth:] = c[:, smooth:] - c[:, :-smooth]
+                ys = c / np.minimum(np.arange(1, n + 1), smooth)
             ax.plot(xs, ys.mean(axis=0), label=f"{LABELS[m]} (n={len(ss)})")
             ax.fill_between(xs, ys.mean(axis=0) - ys.std(axis=0), ys.mean(axis=0) + ys.std(axis=0), alpha=0.15)
         if x != "round":
             ax.set_xscale("log")
         ax.set_xlabel(label + (" (log scale)" if x != "round" else ""))
-        ax.set_ylabel("test accuracy (%)")
+        ax.set_ylabel(f"test accuracy (%), trailing mean of {smooth} rounds" if smooth > 1 else "test accuracy (%)")
         ax.set_title("Fashion-MNIST, Dirichlet(0.1), 100 clients / 10 per round, heterogeneous uplinks")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -196,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--rounds", type=int, default=150)
     ap.add_argument("--rho0", type=float, default=0.01)
-    ap.add_argument("--targets", type=float, nargs="+", default=[0.65, 0.70, 0.75])
-    ap.add_argument("--methods", nargs="+", default=["fedavg", "topk_equal", "baow", "topk_rho0", "baow_plain"],
+    ap.add_argument("--targets", type=float, nargs="+", default=[0.65, 0.70, 0.75, 0.78])
+    ap.add_argument("--methods", nargs="+",
+                    default=["fedavg", "topk_equal", "baow", "topk_rho0", "baow_plain", "baow_cap2"],
                     choices=sorted(LABELS))
     ap.add_argument("--quick", action="store_true", help="1 seed, 8 rounds, into outputs/.../quick and /tmp")
     ap.add_argument("--force", action="store_true", help="rerun runs whose summary.json exists")
@@ -226,14 +245,18 @@ def main(argv: list[str] | None = None) -> int:
                                                                 f" --seeds {' '.join(map(str, args.seeds))}")
     body = "\n".join([
         f"Reproduce: `{cmd}`" + (f" `--rounds {args.rounds}`" if args.rounds != 150 else "") +
-        f" (seeds {', '.join(map(str, args.seeds))}; {time.perf_counter() - t0:.0f} s on this machine, "
-        "one torch thread, run dirs in `outputs/results/compression/`).",
+        f" (seeds {', '.join(map(str, args.seeds))}; the {sum(map(len, runs.values()))} runs took "
+        f"{run_minutes(runs):.0f} min of wall time in total on this shared 2-core machine, one torch thread each; "
+        "run dirs in `outputs/results/compression/`, reused when present).",
         "",
         f"Setup: `{' '.join(COMMON)} rounds={args.rounds}`; rho0 = {args.rho0}. BAOW's mean upload is "
         f"{target_bytes / 1024:.2f} KiB per client per round (dense: {4 * len(fm) / 1024:.1f} KiB), so the "
         f"equal-bytes uniform Top-k ratio is {rho_equal:.4f}.",
         "",
         table,
+        "",
+        "Figures: mean over seeds (band: ± one std over seeds) of the test accuracy, a trailing mean over 5 "
+        "rounds; x axes are cumulative (log scale for time and bytes).",
         "",
         *[f"![{p.stem}](compression/{p.name})" for p in figs],
     ])
