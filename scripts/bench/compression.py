@@ -61,6 +61,12 @@ CASES = [
 ]
 
 
+def summable_text(comp) -> str:
+    if isinstance(comp, PowerSGD):
+        return "no (all-reduce via the P/Q protocol)"
+    return "yes" if comp.summable else "no"
+
+
 def resnet18_gradient(device: torch.device) -> tuple[FlatModel, torch.Tensor]:
     torch.manual_seed(0)
     fm = FlatModel(build_model("resnet18", (3, 32, 32), 10), device)
@@ -133,10 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for (label, m), (_, comp, _) in zip(rows, CASES):
         lines.append(f"| {label} | {m['bytes']:,} | {1 / m['ratio']:.1f}x | {m['error']:.3f} | "
-                     f"{m['encode_ms']:.1f} | {m['decode_ms']:.1f} | {'yes' if comp.summable else 'no'} |")
+                     f"{m['encode_ms']:.1f} | {m['decode_ms']:.1f} | {summable_text(comp)} |")
     lines += ["", "Bytes are `Payload.nbytes`, the length of the serialised payload (values fp32, indices int32 "
               "or a bitmap, signs and QSGD levels bit-packed, one fp32 norm per QSGD bucket). Random-k sends "
-              "no indices (shared seed). ACP-SGD's Q-step payload has the other factor's size."]
+              "no indices (shared seed) but regenerates its O(d) permutation on both sides. ACP-SGD's Q-step payload "
+              "has the other factor's size. Errors by design: unbiased random-k scales by d/k, so its error is "
+              "sqrt(d/k - 1) ~ 10 at 1 %; plain sign decodes to +-1 (a direction, scaled by the learning rate), "
+              "so its error against the raw gradient is not meaningful; the low-rank rows are one shot from a "
+              "random start (warm start and error feedback make them converge over steps)."]
     body = "\n".join(lines)
     if args.no_doc:
         print(body)
