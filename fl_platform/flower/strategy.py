@@ -250,7 +250,7 @@ class AlgorithmStrategy(Strategy):
             seen.add(cid)
             bytes_up += message_nbytes(reply)
             if reply.has_error():
-                rejected[cid] = f"ClientApp error (code {reply.error.code}): {reply.error.reason}"
+                rejected[cid] = f"error reply (code {reply.error.code}): {reply.error.reason}"
                 continue
             try:
                 update = decode_update(reply.content)
