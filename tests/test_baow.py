@@ -143,7 +143,7 @@ def test_baow_equalises_upload_times_and_is_exact_under_hierarchical_aggregation
 
 
 def test_baow_with_error_feedback_keeps_a_residual_and_learns(make_config):
-    exp = build(make_config(*SMALL, "rounds=6", "system=heterogeneous", "algorithm.rho0=0.05",
+    exp = build(make_config(*SMALL, "rounds=4", "system=heterogeneous", "algorithm.rho0=0.05",
                             "algorithm.error_feedback=true"))
     try:
         summary = exp.simulation.run()
