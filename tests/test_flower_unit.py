@@ -219,21 +219,23 @@ FUSEFL = ["algorithm=fusefl", "model=cnn", "model.channels=[8,16]", "model.hidde
           "algorithm.sample_per_class=50"]
 
 
-@pytest.mark.parametrize("overrides", [["algorithm=fedprox"], FUSEFL], ids=["fedprox", "fusefl-list-mode"])
+@pytest.mark.parametrize("overrides", [["algorithm=fedprox"], FUSEFL, ["num_clients=5", "clients_per_round=2"]],
+                         ids=["fedprox", "fusefl-list-mode", "2-of-5-sampled"])
 def test_flower_run_equals_the_simulator(tmp_path, overrides):
-    """FedProx (summable, a training hook) and FuseFL (non-summable: the server gets the replies as a
-    list sorted by client id; per-client state across rounds) through the ServerApp/ClientApp."""
-    rounds = 3
-    rc = run_config(*overrides, f"rounds={rounds}")
-    grid = LocalGrid(client_app, nodes(), rc)
+    """FedProx (summable, a training hook), FuseFL (non-summable: the server gets the replies as a
+    list sorted by client id; per-client state across rounds) and FedAvg with 2 of 5 clients sampled
+    per round (the same clients as the simulator) through the ServerApp/ClientApp."""
+    cfg = fc.compose([*SMALL, *overrides])
+    rc = run_config(*overrides)
+    grid = LocalGrid(client_app, nodes(cfg.num_clients), rc)
     summary = run_server(grid, rc, run_id=5, run_dir=tmp_path / "flower")
-    sim = run_experiment(fc.compose([*SMALL, *overrides, f"rounds={rounds}"]), tmp_path / "sim")
+    sim = run_experiment(cfg, tmp_path / "sim")
     assert max_diff(weights_of(tmp_path / "flower"), weights_of(tmp_path / "sim")) < 1e-5
     assert summary["final_test_accuracy"] == pytest.approx(sim["final_test_accuracy"])
     rows = [json.loads(line) for line in (tmp_path / "flower" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2, 3]
-    assert all(r["num_clients"] == 3 and r["bytes_down"] > 0 and r["bytes_up"] > r["payload_bytes_up"] > 0
-               for r in rows)
+    assert all(r["num_clients"] == cfg.clients_per_round and r["bytes_up"] > r["payload_bytes_up"] > 0
+               and r["bytes_down"] > 0 for r in rows)
     for name in ("config.yaml", "summary.json", "partition.npz", "run_config.toml", "server.log"):
         assert (tmp_path / "flower" / name).exists(), name
 
