@@ -58,6 +58,14 @@ SMALL = ["num_clients=3", "clients_per_round=3", "rounds=3", "partition=iid", "t
          "logger.progress=false"]
 
 
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """The ClientApp sets torch's threads from the node config (threads=1 here) for the whole process."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def run_config(*overrides: str, **deploy) -> dict:
     deploy.setdefault("round_timeout", 5.0)
     deploy.setdefault("poll_interval", 0.01)
