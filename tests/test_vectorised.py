@@ -117,6 +117,20 @@ def test_normalisation_layers_keep_per_client_statistics(norm):
         assert not torch.equal(res[0].vector[fm.num_params:], res[3].vector[fm.num_params:])
 
 
+class BatchCentre(nn.Module):
+    """Subtracts the batch mean: samples of a batch interact without any BatchNorm."""
+
+    def forward(self, x):
+        return x - x.mean(dim=0, keepdim=True)
+
+
+def test_samples_that_interact_are_never_padded():
+    torch.manual_seed(0)
+    fm = FlatModel(nn.Sequential(nn.Flatten(), nn.Linear(64, 16), BatchCentre(), nn.ReLU(), nn.Linear(16, 10)))
+    cohort, _ = _compare_fit(fm, TrainConfig(epochs=1, batch_size=4, lr=0.05), _data(), [None] * len(SIZES))
+    assert not cohort.fn.can_pad  # found by the probe: padding would change the batch mean
+
+
 def test_frozen_parameters_stay_put():
     model = _model("mlp")
     model.stages["fc1"][0].weight.requires_grad_(False)

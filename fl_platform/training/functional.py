@@ -247,6 +247,15 @@ class StackedOptimizer:
 # ------------------------------------------------------------------ the model
 
 
+# The probe looks for batching rules that compute something else (errors of order 1), not for
+# rounding: on a GPU, TF32 convolutions/matmuls of different shapes differ by ~1e-3 relative.
+_PROBE_TOLERANCE = 1e-2
+
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).norm()) / (float(expected.norm()) + 1e-12)
+
+
 class FunctionalModel:
     """A FlatModel's forward/backward as a pure function of stacked flat parameter rows.
 
@@ -386,11 +395,11 @@ class FunctionalModel:
         if slow:
             return (f"vmap has no batching rule for {', '.join(slow)} and would loop over the clients "
                     "one by one (slower than the sequential loop)")
-        if not torch.allclose(got, expected.expand_as(got), rtol=1e-4, atol=1e-6):
-            err = float((got - expected).abs().max())
-            return f"the vmapped gradient differs from the sequential one (max abs error {err:.2e})"
+        err = max(_relative_error(g, expected) for g in got)
+        if err > _PROBE_TOLERANCE:
+            return f"the vmapped gradient differs from the sequential one (relative error {err:.1e})"
         if padded is not None:
-            self.can_pad = bool(torch.allclose(padded, expected, rtol=1e-4, atol=1e-6))
+            self.can_pad = _relative_error(padded, expected) <= _PROBE_TOLERANCE
         return None
 
     def _probe(self, xb: torch.Tensor, yb: torch.Tensor, vec: torch.Tensor):
