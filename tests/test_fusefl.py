@@ -25,6 +25,15 @@ from fl_platform.training.flat import FlatModel
 from fl_platform.training.loop import ClientData, LocalTrainer, TrainConfig
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread is faster (and steadier on a loaded machine); restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _setup(name: str, shape: tuple[int, ...], clients: int, **options) -> Setup:
     return Setup(ModelFactory(name, shape, 10, options), 0, 0, 10, shape, clients, 0, TrainConfig())
 

@@ -204,6 +204,10 @@ class DataFreeServer(OneShotServer):
                              "algorithm.input_high (the normalised values of a black and a white pixel)")
         return low.view(-1, 1, 1).to(self.device), high.view(-1, 1, 1).to(self.device)
 
+    def fresh_student(self) -> torch.Tensor:
+        """The initial weights of the fresh student (seeded; the same for DENSE and Co-Boosting)."""
+        return fresh_vector(self.setup, _DATAFREE, 0)
+
     def build(self, ctx: RoundContext) -> dict[str, float]:
         cfg, dev, seed = self.cfg, self.device, self.setup.seed
         low, high = self.input_range()
@@ -211,7 +215,7 @@ class DataFreeServer(OneShotServer):
         ensemble = LogitEnsemble(teachers)
         k = len(teachers)
         weights = torch.full((k,), 1.0 / k, device=dev) if cfg.reweight else None
-        start = self.fedavg_vector() if cfg.student_init == "fedavg" else fresh_vector(self.setup, _DATAFREE, 0)
+        start = self.fedavg_vector() if cfg.student_init == "fedavg" else self.fresh_student()
         student = build_module(self.setup, start, dev)
         generator = Generator(cfg.nz, cfg.ngf, self.setup.input_shape).to(dev)
         bn = BNStatLoss(teachers) if cfg.lambda_bn else None
@@ -347,7 +351,7 @@ class DataFreeServer(OneShotServer):
             if cfg.kd_clip is not None:
                 nn.utils.clip_grad_norm_(student.parameters(), cfg.kd_clip)
             opt.step()
-            total += float(loss)
+            total += float(loss.detach())
             batches += 1
         return total / max(batches, 1)
 

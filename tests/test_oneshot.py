@@ -1,0 +1,228 @@
+"""One-shot protocol and server-side methods: ensemble, averaging, caching, server split, distillation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fl_platform.algorithms.base import Setup
+from fl_platform.algorithms.oneshot.coboost import CoBoostConf
+from fl_platform.algorithms.oneshot.datafree import BNStatLoss, DataFreeServer, augment
+from fl_platform.algorithms.oneshot.distill import LogitEnsemble, kd_loss, predict_logits
+from fl_platform.algorithms.oneshot.ensemble import EnsembleConf, EnsembleServer
+from fl_platform.algorithms.oneshot.fedavg import OneShotFedAvgConf, OneShotFedAvgServer
+from fl_platform.algorithms.oneshot.protocol import HoldoutFilter, build_module, server_split
+
+from fl_platform.core import ClientUpdate, RoundContext
+from fl_platform.engine.setup import ModelFactory
+from fl_platform.experiment import build
+from fl_platform.training.flat import FlatModel
+from fl_platform.training.loop import ClientData, TrainConfig
+
+SHAPE = (1, 8, 8)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread is faster (and steadier on a loaded machine); restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _setup(clients: int = 3) -> Setup:
+    model = ModelFactory("cnn", SHAPE, 10, {"channels": [4, 6], "hidden": 12, "norm": "batch"})
+    fm = FlatModel(model())
+    return Setup(model, fm.num_params, fm.num_buffers, 10, SHAPE, clients, 0, TrainConfig())
+
+
+def _updates(setup: Setup, sizes: list[int], seed: int = 0) -> list[ClientUpdate]:
+    out = []
+    for cid, n in enumerate(sizes):
+        torch.manual_seed(seed + cid)
+        vec = FlatModel(setup.model_fn()).vector.detach().clone()
+        vec[setup.num_params:] = torch.rand(setup.num_buffers) + 0.5  # non-trivial BN running stats
+        out.append(ClientUpdate(cid, {"weights": vec}, {"n": float(n)}, n))
+    return out
+
+
+def _ctx(clients: int = 3) -> RoundContext:
+    return RoundContext(round=0, seed=0, clients=tuple(range(clients)), num_rounds=1, num_clients=clients)
+
+
+def test_ensemble_logits_equal_the_mean_of_the_clients_logits():
+    setup = _setup()
+    updates = _updates(setup, [30, 10, 60])
+    x = torch.randn(50, *SHAPE)
+    y = torch.randint(0, 10, (50,))
+    client_logits = torch.stack([predict_logits(build_module(setup, u.tensors["weights"], "cpu"), x) for u in updates])
+    ensemble = LogitEnsemble([build_module(setup, u.tensors["weights"], "cpu").eval() for u in updates])
+    with torch.no_grad():
+        torch.testing.assert_close(ensemble(x), client_logits.mean(0))
+        weighted = LogitEnsemble(list(ensemble.models), torch.tensor([3.0, 1.0, 6.0]))
+        torch.testing.assert_close(weighted(x), (client_logits * torch.tensor([0.3, 0.1, 0.6]).view(3, 1, 1)).sum(0))
+    # The server half's final model is exactly that mean (test loss computed from it by hand).
+    server = EnsembleServer(EnsembleConf(cache_dir=None), setup, updates[0].tensors["weights"])
+    extras = server.aggregate(_ctx(), updates)
+    assert extras["model_params"] == 3 * sum(p.numel() for p in setup.model_fn().parameters())
+    metrics = server.evaluate(FlatModel(setup.model_fn()), x, y)
+    mean = client_logits.mean(0)
+    assert metrics["test_loss"] == pytest.approx(float(F.cross_entropy(mean.double(), y)), rel=1e-6)
+    assert metrics["test_accuracy"] == pytest.approx(float((mean.argmax(1) == y).float().mean()))
+    assert metrics["ensemble_agreement"] == 1.0
+
+
+def test_oneshot_fedavg_is_the_sample_weighted_parameter_and_buffer_average():
+    setup = _setup()
+    updates = _updates(setup, [30, 10, 60])
+    server = OneShotFedAvgServer(OneShotFedAvgConf(cache_dir=None), setup, updates[0].tensors["weights"])
+    server.aggregate(_ctx(), updates)
+    expected = sum(u.tensors["weights"].double() * u.num_samples for u in updates) / 100
+    torch.testing.assert_close(server.weights, expected.float())
+    uniform = OneShotFedAvgServer(OneShotFedAvgConf(cache_dir=None, weighting="uniform"), setup, server.weights)
+    uniform.aggregate(_ctx(), updates)
+    torch.testing.assert_close(uniform.weights, sum(u.tensors["weights"] for u in updates) / 3)
+
+
+def test_server_split_is_held_out_from_every_client():
+    split = server_split(1000, 0.1, seed=3)
+    assert split.size == 100 and torch.equal(torch.from_numpy(split), torch.from_numpy(server_split(1000, 0.1, 3)))
+    assert set(split.tolist()) != set(server_split(1000, 0.1, 4).tolist())  # depends on the seed
+    data = ClientData(torch.zeros(1000, 1), torch.zeros(1000, dtype=torch.long), torch.arange(0, 1000, 2))
+    kept = HoldoutFilter(0.1, seed=3)(data).indices
+    assert not set(kept.tolist()) & set(split.tolist())
+    assert set(kept.tolist()) | (set(split.tolist()) & set(range(0, 1000, 2))) == set(range(0, 1000, 2))
+    with pytest.raises(ValueError, match="server_fraction"):
+        server_split(10, 1.0, 0)
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    """One client-checkpoint cache for the tests that do not inspect caching (saves retraining)."""
+    return tmp_path_factory.mktemp("oneshot_cache")
+
+
+def _config(make_config, algorithm: str, cache, *extra: str):
+    return make_config(f"algorithm={algorithm}", "dataset=digits", "model=cnn", "model.channels=[6,8]",
+                       "model.hidden=16", "model.norm=batch", "num_clients=4", "clients_per_round=4", "rounds=1",
+                       "partition.alpha=0.5", "train.epochs=2", "train.batch_size=32", "train.lr=0.05",
+                       "train.momentum=0.9", f"algorithm.cache_dir={cache}", *extra)
+
+
+def _run(cfg):
+    exp = build(cfg)
+    try:
+        exp.simulation.run()
+    finally:
+        exp.engine.close()
+    return exp.simulation.server, exp.simulation.history[-1]
+
+
+def test_client_models_are_cached_once_and_shared_by_every_method(make_config, tmp_path):
+    server_a, row_a = _run(_config(make_config, "oneshot_fedavg", tmp_path))
+    assert row_a["cache_hit"] == 0.0 and len(list(tmp_path.glob("*.pt"))) == 4
+    server_b, row_b = _run(_config(make_config, "oneshot_ensemble", tmp_path))
+    assert row_b["cache_hit"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(server_a.teachers, server_b.teachers))
+    assert row_b["fedavg_test_accuracy"] == row_a["test_accuracy"]
+    assert row_b["ensemble_test_accuracy"] == row_b["test_accuracy"]
+    assert row_a["bytes_up"] == row_b["bytes_up"] == 4 * 4 * server_a.teachers[0].numel()
+    # Different local-training settings are different client models.
+    _, row_c = _run(_config(make_config, "oneshot_fedavg", tmp_path, "train.epochs=1"))
+    assert row_c["cache_hit"] == 0.0 and len(list(tmp_path.glob("*.pt"))) == 8
+
+
+def test_multi_round_oneshot_fedavg_is_fedavg(make_config):
+    common = ("dataset=digits", "model=mlp", "num_clients=4", "clients_per_round=4", "rounds=2", "train.epochs=1")
+    fedavg, _ = _run(make_config("algorithm=fedavg", *common))
+    oneshot, _ = _run(make_config("algorithm=oneshot_fedavg", "algorithm.server_fraction=0", "algorithm.cache_dir=null",
+                                  *common))
+    torch.testing.assert_close(oneshot.weights, fedavg.weights, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", ["oneshot_ensemble", "oneshot_feddf"])
+def test_one_shot_methods_reject_more_rounds(make_config, shared_cache, algorithm):
+    exp = build(_config(make_config, algorithm, shared_cache, "rounds=2"))
+    try:
+        with pytest.raises(ValueError, match=r"one-shot: it needs rounds=1, got rounds=2"):
+            exp.simulation.run()
+    finally:
+        exp.engine.close()
+
+
+def test_bad_settings_name_the_key(make_config, shared_cache):
+    with pytest.raises(ValueError, match=r"algorithm.server_fraction=0.0 is invalid for oneshot_feddf"):
+        build(_config(make_config, "oneshot_feddf", shared_cache, "algorithm.server_fraction=0"))
+    with pytest.raises(ValueError, match=r"H and W divisible by 4"):
+        build(make_config("algorithm=oneshot_dense", "dataset=synthetic", "model=mlp", "num_clients=3",
+                          "clients_per_round=3", "rounds=1"))
+    with pytest.raises(ValueError, match=r"algorithm.weighting must be"):
+        build(_config(make_config, "oneshot_ensemble", shared_cache, "algorithm.weighting=median"))
+
+
+def test_feddf_distillation_improves_agreement_with_the_ensemble_on_held_out_inputs(make_config, shared_cache):
+    extra = ("algorithm.server_fraction=0.3", "partition.alpha=0.2")
+    _, before = _run(_config(make_config, "oneshot_fedavg", shared_cache, *extra))
+    _, after = _run(_config(make_config, "oneshot_feddf", shared_cache, *extra, "algorithm.steps=150",
+                            "algorithm.val_fraction=0"))
+    # The test set: inputs neither the clients nor the distillation ever saw.
+    assert after["ensemble_agreement"] > before["ensemble_agreement"] + 0.05
+    assert after["distill_steps"] == 150
+
+
+def test_dense_distillation_improves_a_fresh_students_agreement(make_config, shared_cache):
+    # The card's generator loop at a tiny budget; the KD step is sped up (T 4, lr 0.05) so that 36
+    # distillation steps move a fresh student, and digits are not flipped (8x8 digits are not symmetric).
+    cfg = _config(make_config, "oneshot_dense", shared_cache, "algorithm.epochs=8", "algorithm.g_steps=30",
+                  "algorithm.ngf=16", "algorithm.nz=64", "algorithm.synthesis_batch_size=64",
+                  "algorithm.kd_batch_size=32", "algorithm.synthesis_augment=false", "algorithm.kd_augment=false",
+                  "algorithm.kd_lr=0.05", "algorithm.kd_temperature=4")
+    exp = build(cfg)
+    try:
+        exp.simulation.run()
+        server, row = exp.simulation.server, exp.simulation.history[-1]
+        x = exp.data.test_x
+        teachers = server.teacher_modules("cpu")
+        ensemble = torch.stack([predict_logits(m, x) for m in teachers]).mean(0)
+        fresh = predict_logits(build_module(server.setup, server.fresh_student(), "cpu"), x)
+    finally:
+        exp.engine.close()
+    before = float((fresh.argmax(1) == ensemble.argmax(1)).float().mean())
+    assert row["ensemble_agreement"] > before + 0.2
+    assert row["pool_samples"] == 8 * 64
+
+
+def test_bn_statistics_term_and_augmentation():
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm2d(3).eval()
+    bn.running_mean.fill_(0.5)
+    bn.running_var.fill_(2.0)
+    hook = BNStatLoss([torch.nn.Sequential(bn)])
+    x = torch.randn(8, 3, 4, 4)
+    hook.active = True
+    bn(x)
+    term = hook.pop()
+    expected = (torch.linalg.vector_norm(0.5 - x.mean((0, 2, 3)))
+                + torch.linalg.vector_norm(2.0 - x.transpose(0, 1).reshape(3, -1).var(1, unbiased=False)))
+    torch.testing.assert_close(term, expected)
+    hook.close()
+    low = torch.full((3, 1, 1), -1.0)
+    out = augment(x, torch.Generator().manual_seed(1), low)
+    again = augment(x, torch.Generator().manual_seed(1), low)
+    assert out.shape == x.shape and torch.equal(out, again)
+    assert kd_loss(x.flatten(1), x.flatten(1), 4.0) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_coboost_reweighting_moves_weight_to_the_member_that_fits_the_labels():
+    setup = _setup(2)
+    updates = _updates(setup, [10, 10])
+    server = DataFreeServer(CoBoostConf(cache_dir=None), setup, updates[0].tensors["weights"])
+    good = build_module(setup, updates[0].tensors["weights"], "cpu").eval()
+    bad = build_module(setup, updates[1].tensors["weights"], "cpu").eval()
+    x = torch.randn(64, *SHAPE)
+    y = predict_logits(good, x).argmax(1)  # labels the first member fits exactly
+    ensemble = LogitEnsemble([good, bad])
+    w = server.reweight(0, ensemble, torch.tensor([0.5, 0.5]), [x], [y], torch.full((1, 1, 1), -1.0),
+                        torch.Generator().manual_seed(0))
+    assert w[0] > 0.5 > w[1]
