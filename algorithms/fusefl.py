@@ -266,7 +266,8 @@ class FusePlan:
         self.block_sizes = [piece_size(b) for b in self.blocks]
         self.head_size = piece_size(self.head)
         self.feature_dim = math.prod(self.out_shapes[-1])
-        self.adaptor_sizes = [piece_size(self.make_adaptor(j)) if j else 0 for j in range(self.K)]
+        with torch.random.fork_rng(devices=[]):
+            self.adaptor_sizes = [piece_size(self.make_adaptor(j)) if j else 0 for j in range(self.K)]
         self.upper_offsets = [0] * self.K
         for j in range(2, self.K):
             self.upper_offsets[j] = self.upper_offsets[j - 1] + self.block_sizes[j - 1]
@@ -301,8 +302,9 @@ class FusePlan:
     def fused_model(self, levels: list[tuple[torch.Tensor, torch.Tensor | None]], head: torch.Tensor | None
                     ) -> FuseFLModel:
         """The final model from all K levels and a classifier vector (None: features only)."""
-        return FuseFLModel([self.level(j, b, a) for j, (b, a) in enumerate(levels)],
-                           head=self.make_head(head) if head is not None else None)
+        with torch.random.fork_rng(devices=[]):  # adaptors are built then overwritten: keep the RNG untouched
+            return FuseFLModel([self.level(j, b, a) for j, (b, a) in enumerate(levels)],
+                               head=self.make_head(head) if head is not None else None)
 
     # -- client state
     def state_spec(self) -> dict[str, StateSpec]:

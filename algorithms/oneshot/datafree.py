@@ -189,7 +189,8 @@ class DataFreeServer(OneShotServer):
             if not ok:
                 raise ValueError(f"algorithm.{key}={getattr(cfg, key)!r} is invalid for {cfg.name}")
         super().__init__(cfg, setup, initial_weights)
-        Generator(cfg.nz, cfg.ngf, setup.input_shape)  # fail now on inputs it cannot synthesise
+        with torch.random.fork_rng(devices=[]):
+            Generator(cfg.nz, cfg.ngf, setup.input_shape)  # fail now on inputs it cannot synthesise
         self.ensemble_weights: torch.Tensor | None = None
 
     def input_range(self) -> tuple[torch.Tensor, torch.Tensor]:
