@@ -45,6 +45,17 @@ METHODS: dict[str, tuple[str, list[str]]] = {  # in run order: the costly data-f
     "oneshot_dense": ("DENSE", ["+experiment=oneshot_fmnist_dense"]),
     "oneshot_coboost": ("Co-Boosting", ["+experiment=oneshot_fmnist_coboost"]),
 }
+# --study (alpha 0.3, seed 0 only): why the data-free methods trail at this budget, and what the
+# reference code's calibration bug costs FuseFL.
+STUDY: dict[str, tuple[str, list[str]]] = {
+    "oneshot_dense_e60": ("DENSE, 60 epochs", ["+experiment=oneshot_fmnist_dense", "algorithm.epochs=60"]),
+    "oneshot_coboost_e60": ("Co-Boosting, 60 epochs", ["+experiment=oneshot_fmnist_coboost", "algorithm.epochs=60"]),
+    "oneshot_dense_kd": ("DENSE, KD at T = 4 and lr 0.05", ["+experiment=oneshot_fmnist_dense",
+                                                            "algorithm.kd_temperature=4", "algorithm.kd_lr=0.05"]),
+    "fusefl_k2_refcal": ("FuseFL K=2, reference calibration (bugs kept)",
+                         ["+experiment=oneshot_fmnist_fusefl", "algorithm.calibration=reference"]),
+}
+METHODS.update(STUDY)
 TABLE_ORDER = ["oneshot_fedavg", "oneshot_feddf", "oneshot_dense", "oneshot_coboost", "fusefl_k2", "fusefl_k4",
                "oneshot_ensemble", "fedavg_4rounds"]
 
@@ -127,9 +138,11 @@ def _fmt_bytes(n: float) -> str:
     return f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
 
 
-def report(rows: list[dict[str, Any]], out: Path, command: str, quick: bool) -> str:
+def report(rows: list[dict[str, Any]], command: str, quick: bool, alphas: list[float], seeds: list[int]) -> str:
     """The markdown: accuracy table (mean ± std over seeds), sizes and bytes, the ordering check."""
-    rows = [r for r in rows if r.get("quick", False) == quick]
+    rows = [r for r in rows if r.get("quick", False) == quick and r["alpha"] in alphas and r["seed"] in seeds]
+    study = [r for r in rows if r["method"] in STUDY]
+    rows = [r for r in rows if r["method"] not in STUDY]
     alphas = sorted({r["alpha"] for r in rows})
     by = defaultdict(list)
     for r in rows:
@@ -175,7 +188,16 @@ def report(rows: list[dict[str, Any]], out: Path, command: str, quick: bool) -> 
         checks.append(f"- alpha = {a}: ensemble - one-shot FedAvg = {100 * gap:+.1f} points; methods at or above "
                       f"one-shot FedAvg: {', '.join(METHODS[k][0] for k in between) or 'none'}; above the "
                       f"ensemble: {', '.join(METHODS[k][0] for k in between if m[k] > m['oneshot_ensemble']) or 'none'}.")
-    cpu_total = sum(r["cpu_s"] for r in rows)
+    study_lines = ["| variant (alpha = 0.3, seed 0) | test accuracy | same setting in the grid | CPU s |",
+                   "|---|---|---|---|"]
+    base = {"oneshot_dense_e60": "oneshot_dense", "oneshot_coboost_e60": "oneshot_coboost",
+            "oneshot_dense_kd": "oneshot_dense", "fusefl_k2_refcal": "fusefl_k2"}
+    for r in sorted(study, key=lambda r: list(STUDY).index(r["method"])):
+        ref = [x for x in rows if x["method"] == base[r["method"]] and x["alpha"] == r["alpha"] and x["seed"] == r["seed"]]
+        ref_acc = f"{100 * ref[0]['test_accuracy']:.1f} ({METHODS[base[r['method']]][0]})" if ref else "n/a"
+        study_lines.append(f"| {STUDY[r['method']][0]} | {100 * r['test_accuracy']:.1f} | {ref_acc} | {r['cpu_s']:.0f} |")
+    study_table = "\n".join(study_lines) if study else "(not run: add --study)"
+    cpu_total = sum(r["cpu_s"] for r in rows) + sum(r["cpu_s"] for r in study)
     text = f"""Test accuracy (%) on the 10,000 Fashion-MNIST test images, mean ± std over seeds {seeds}
 ({'QUICK pipeline check, not results' if quick else 'full budget'}).
 
@@ -190,6 +212,10 @@ Ordering (means over seeds):
 
 {chr(10).join(checks)}
 
+Study (`--study`): one setting, variants of the data-free methods' budget and of FuseFL's calibration:
+
+{study_table}
+
 Total CPU time of these runs: {cpu_total / 3600:.2f} core-hours ({len(rows)} runs; {platform.processor() or platform.machine()},
 {os.cpu_count()} cores, one torch thread per run). Reproduce with:
 
@@ -202,7 +228,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--alphas", type=float, nargs="+", default=[0.1, 0.3, 0.5])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in STUDY], choices=list(METHODS))
+    parser.add_argument("--study", action="store_true", help="run the study variants (alpha 0.3, seed 0) instead")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny budget: check the pipeline, not results")
     parser.add_argument("--cache", default=str(REPO / "outputs" / "oneshot_cache"))
@@ -210,6 +237,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "oneshot.md")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
+    grid_alphas, grid_seeds = list(args.alphas), list(args.seeds)  # what the report covers
+    if args.study:
+        args.alphas, args.seeds, args.methods = [0.3], [0], list(STUDY)
     args.raw.parent.mkdir(parents=True, exist_ok=True)
     done = {(r["method"], r["alpha"], r["seed"], r.get("quick", False)) for r in load_rows(args.raw)}
     settings = [(a, s) for s in args.seeds for a in args.alphas]
@@ -228,9 +258,10 @@ def main() -> None:
             for fut in as_completed(futures):
                 fut.result()
     print(f"grid done in {time.perf_counter() - t0:.0f} s", flush=True)
-    rows = [r for r in load_rows(args.raw) if r["alpha"] in args.alphas and r["seed"] in args.seeds]
-    command = "nice -n 10 python scripts/results_oneshot.py" + (" --quick" if args.quick else "")
-    text = report(rows, args.out, command, args.quick)
+    rows = load_rows(args.raw)
+    command = ("nice -n 10 python scripts/results_oneshot.py" + (" --quick" if args.quick else "")
+               + "  &&  nice -n 10 python scripts/results_oneshot.py --study" * (not args.quick))
+    text = report(rows, command, args.quick, grid_alphas, grid_seeds)
     write_section(args.out, text)
     print(text)
 
