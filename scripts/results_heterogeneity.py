@@ -60,22 +60,26 @@ BUDGETS: dict[str, dict[str, dict[str, Any]]] = {
     },
 }
 
-# One setting changed at a time, on fashion_mnist (tag, algorithm, extra overrides, what it tests).
-ABLATIONS: list[tuple[str, str, list[str], str]] = [
+# One setting changed at a time (tag, algorithm, extra overrides, what it tests, datasets).
+FMNIST, FEMNIST = ("fashion_mnist",), ("femnist",)
+BOTH = ("fashion_mnist", "femnist")
+ABLATIONS: list[tuple[str, str, list[str], str, tuple[str, ...]]] = [
     ("fedimpro_split_fc", "fedimpro", ["algorithm.split_after=fc"],
-     "split after the 64-d fc layer (f = the linear head) instead of after conv2 (D = 32x7x7)"),
+     "split after the 64-d fc layer (f = the linear head) instead of after conv2 (D = 32x7x7)", BOTH),
     ("fedimpro_no_sigma_clip", "fedimpro", ["algorithm.sigma_max=null"],
-     "sample with the estimated std instead of clipping every entry at 0.1"),
-    ("fedimpro_reference_quirks", "fedimpro", ["algorithm.stats_update=last_batch", "algorithm.sample_from=local"],
-     "the reference's last-minibatch statistics and sampling from the drifting local copy"),
+     "sample with the estimated std instead of clipping every entry at 0.1", BOTH),
     ("fedimpro_label_size", "fedimpro", ["algorithm.aggregation=label_size"],
-     "law-of-total-variance aggregation instead of the uniform mean of client mu/sigma"),
+     "law-of-total-variance aggregation instead of the uniform mean of client mu/sigma", BOTH),
+    ("fedimpro_reference_quirks", "fedimpro", ["algorithm.stats_update=last_batch", "algorithm.sample_from=local"],
+     "the reference's last-minibatch statistics and sampling from the drifting local copy", FMNIST),
     ("fedimpro_T500", "fedimpro", ["algorithm.weight_max_rounds=500"],
-     "the reference's absolute T = 500 (lambda_r = r/500 < 0.06 in 30 rounds)"),
+     "the reference's absolute T = 500 (lambda_r = r/500 < 0.06 in 30 rounds)", FMNIST),
+    ("fedimpro_gradual2half", "fedimpro", ["algorithm.weight_schedule=gradual2half"],
+     "real-feature weight kept at 1 (gradual2half) instead of decaying to 0.5 (gradualhalfhalf)", FEMNIST),
     ("vhl_ce_only", "vhl", ["algorithm.align_weight=0", "algorithm.noise_supcon_weight=0"],
-     "virtual cross-entropy only, no contrastive calibration (the reference's VHL_simple)"),
+     "virtual cross-entropy only, no contrastive calibration (the reference's VHL_simple)", FMNIST),
     ("vhl_virtual_batch_128", "vhl", ["algorithm.virtual_batch_size=128"],
-     "the reference's fixed virtual batch of 128 (4x the real batch)"),
+     "the reference's fixed virtual batch of 128 (4x the real batch)", FMNIST),
 ]
 
 
@@ -179,8 +183,8 @@ def ablation_section(dataset: str, jobs: list[Job], ablation_jobs: list[Job], ou
         if runs:
             groups[LABELS[alg]] = runs
             lines.append(f"| {LABELS[alg]} (main table) | - | {_accuracy_cells(runs)} | {_predshift(runs)} |")
-    for tag, _, extra, what in ABLATIONS:
-        runs = [plot.load_run(j.run_dir) for j in ablation_jobs if j.label == tag]
+    for tag, _, extra, what, _ in ABLATIONS:
+        runs = [plot.load_run(j.run_dir) for j in ablation_jobs if j.label == tag and j.dataset == dataset]
         if runs:
             groups[tag] = runs
             lines.append(f"| {tag} | {what} (`{' '.join(extra)}`) | {_accuracy_cells(runs)} | {_predshift(runs)} |")
@@ -196,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--datasets", nargs="+", default=list(BUDGETS["full"]), choices=list(BUDGETS["full"]))
     ap.add_argument("--algorithms", nargs="+", default=ALGORITHMS, choices=ALGORITHMS)
-    ap.add_argument("--ablations", choices=["none", "fashion_mnist", "femnist"], default="fashion_mnist",
-                    help="dataset for the ablation runs (none: skip them)")
+    ap.add_argument("--ablations", nargs="*", choices=list(BUDGETS["full"]), default=list(BUDGETS["full"]),
+                    help="datasets for the ablation runs (none given: skip them)")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (one torch thread each)")
     ap.add_argument("--runs", default=str(REPO / "outputs" / "results" / "heterogeneity"))
     ap.add_argument("--out", default=str(REPO / "docs" / "results"))
@@ -216,12 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     tail = ["engine=inline", "logger.progress=false", "save_model=false"]
     jobs = [Job(ds, alg, [*common(ds), *alg_overrides(alg, ds), f"seed={seed}", *tail], runs_root / ds / f"{alg}_s{seed}")
             for ds in args.datasets for alg in args.algorithms for seed in args.seeds]
-    ablation_jobs = []
-    if args.ablations != "none":
-        ds = args.ablations
-        ablation_jobs = [Job(ds, tag, [*common(ds), *alg_overrides(alg, ds), *extra, f"seed={seed}", *tail],
-                             runs_root / ds / "ablations" / f"{tag}_s{seed}")
-                         for tag, alg, extra, _ in ABLATIONS for seed in args.seeds]
+    ablation_jobs = [Job(ds, tag, [*common(ds), *alg_overrides(alg, ds), *extra, f"seed={seed}", *tail],
+                         runs_root / ds / "ablations" / f"{tag}_s{seed}")
+                     for ds in args.ablations for tag, alg, extra, _, datasets in ABLATIONS if ds in datasets
+                     for seed in args.seeds]
     t0 = time.perf_counter()
     stats: dict[Path, dict[str, float]] = {}
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -235,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     abl_cpu = sum(stats[j.run_dir].get("cpu_s", 0.0) for j in ablation_jobs)
     sections = [main_section(ds, jobs, stats, out, args.budget, args.algorithms, BUDGETS[args.budget][ds])
                 for ds in args.datasets]
-    if ablation_jobs:
-        sections.append(ablation_section(args.ablations, jobs, ablation_jobs, out, args.budget))
+    sections += [ablation_section(ds, jobs, [j for j in ablation_jobs if j.dataset == ds], out, args.budget)
+                 for ds in args.ablations]
     cmd = "nice -n 10 python scripts/results_heterogeneity.py" + (f" --budget {args.budget}" if args.budget != "full" else "")
     text = (
         "# Data heterogeneity: FedAvg, FedProx, SCAFFOLD, FedImpro, VHL\n\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from fl_platform.experiment import build
 from fl_platform.models import build_model
 from fl_platform.training.hooks import Batch
 
-from .conftest import compose_config
+from .conftest import REPO, compose_config
 
 C, D = 4, 6
 
@@ -253,3 +254,40 @@ def test_paper_presets_compose(preset, dataset, lr):
     assert (cfg.num_clients, cfg.clients_per_round, cfg.partition.alpha, cfg.train.batch_size) == (10, 5, 0.1, 128)
     assert (cfg.train.lr, cfg.train.momentum, cfg.algorithm.split_after) == (lr, 0.0, "layer2")
     assert (cfg.rounds, cfg.algorithm.weight_max_rounds) == (1000, 500)
+
+
+def flower_equals_simulator(tmp_path, overrides: list[str]) -> None:
+    """The Flower ServerApp/ClientApp (in-process LocalGrid, tests/flower_utils.py) trains the same model."""
+    import importlib.util
+
+    from fl_platform.experiment import run_experiment
+    from fl_platform.flower import config as fc
+    from fl_platform.flower.client_app import app as client_app
+    from fl_platform.flower.server_app import run_server
+
+    spec = importlib.util.spec_from_file_location("flower_utils", REPO / "tests" / "flower_utils.py")
+    flower_utils = sys.modules.setdefault("flower_utils", importlib.util.module_from_spec(spec))
+    if not hasattr(flower_utils, "LocalGrid"):
+        spec.loader.exec_module(flower_utils)
+    threads = torch.get_num_threads()
+    try:  # one torch thread on both sides, so both do the same float arithmetic
+        cfg = fc.compose(overrides)
+        rc = fc.flatten_config(cfg, fc.DeployConf(round_timeout=5.0, poll_interval=0.01, connect_timeout=5.0))
+        nodes = [{"partition-id": i, "num-partitions": cfg.num_clients, "threads": 1} for i in range(cfg.num_clients)]
+        summary = run_server(flower_utils.LocalGrid(client_app, nodes, rc), rc, run_id=5, run_dir=tmp_path / "flower")
+        torch.set_num_threads(1)
+        sim = run_experiment(cfg, tmp_path / "sim")
+    finally:
+        torch.set_num_threads(threads)  # the ClientApp sets torch's threads for the whole process
+    flower_w = torch.load(tmp_path / "flower" / "model.pt", weights_only=True)
+    sim_w = torch.load(tmp_path / "sim" / "model.pt", weights_only=True)
+    assert flower_w.keys() == sim_w.keys()
+    assert max(float((flower_w[k] - sim_w[k]).abs().max()) for k in sim_w) < 1e-5
+    assert summary["final_test_accuracy"] == pytest.approx(sim["final_test_accuracy"])
+
+
+def test_flower_run_equals_the_simulator(tmp_path):
+    flower_equals_simulator(tmp_path, ["algorithm=fedimpro", "algorithm.aggregation=label_size",
+                                       "algorithm.weight_max_rounds=1", "model=cnn", "model.channels=[8,16]",
+                                       "model.hidden=32", "num_clients=3", "clients_per_round=3", "rounds=2",
+                                       "partition=iid", "train.epochs=1", "logger.progress=false"])

@@ -29,6 +29,7 @@ from fl_platform.training.loop import TrainConfig
 from fl_platform.training.supcon import supcon_loss
 
 from .conftest import REPO, compose_config
+from .test_fedimpro import flower_equals_simulator
 
 SPEC = VirtualDataSpec(seed=3, num_classes=4, samples_per_class=6, image_shape=(1, 28, 28), channels=16)
 
@@ -230,3 +231,11 @@ def test_paper_presets_compose(preset, dataset):
     assert (cfg.num_clients, cfg.clients_per_round, cfg.partition.alpha, cfg.train.batch_size) == (10, 5, 0.1, 128)
     assert (cfg.train.lr, cfg.train.momentum, cfg.train.weight_decay) == (0.01, 0.9, 1e-4)
     assert (cfg.algorithm.virtual_batch_size, cfg.algorithm.generator_channels, cfg.rounds) == (128, 512, 1000)
+
+
+def test_flower_run_equals_the_simulator(tmp_path):
+    flower_equals_simulator(tmp_path, ["algorithm=vhl", "algorithm.virtual_batch_size=8",
+                                       "algorithm.samples_per_class=10", "algorithm.generator_channels=8",
+                                       "model=cnn", "model.channels=[8,16]", "model.hidden=32", "num_clients=3",
+                                       "clients_per_round=3", "rounds=2", "partition=iid", "train.epochs=1",
+                                       "logger.progress=false"])
