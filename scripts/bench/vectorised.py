@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -161,9 +162,11 @@ def measure(system: str, config: str, model: str, rounds: int, threads: int, dev
            "--system", system, "--config", config, "--model", model, "--rounds", str(rounds),
            "--threads", str(threads), "--device", device]
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    load = os.getloadavg()[0]  # other work on the machine when this row was measured
     res = run_child(cmd, timeout, env=env)
     row: dict[str, Any] = {"system": system, "config": config, "model": model, "ok": res.ok,
-                           "peak_rss_mb": res.peak_rss / 2**20, "threads": threads, "device": device}
+                           "peak_rss_mb": res.peak_rss / 2**20, "threads": threads, "device": device,
+                           "load": load}
     if not res.ok:
         row["error"] = res.error
         return row
@@ -181,9 +184,10 @@ def render(rows: list[dict[str, Any]], rounds: int, threads: list[int], device: 
              "Workload: FedAvg on scikit-learn digits, iid partition, 1 local epoch, batch 10, SGD lr 0.05; MLP "
              "64-128-10 and the small CNN (conv 32, conv 64, fc 128). At 1000/100 each client holds 1-2 samples "
              "(one local step), at 100/100 about 14 (two steps). Round time: median of rounds "
-             f"2..{rounds}, evaluation excluded. Speed-up: plain-loop round time / this system's.", "",
-             "| clients | model | threads | system | round (s) | speed-up vs plain | peak RSS (MB) | accuracy |",
-             "|---|---|---:|---|---:|---:|---:|---:|"]
+             f"2..{rounds}, evaluation excluded. Speed-up: plain-loop round time / this system's. Load: the "
+             "machine's 1-minute load average when the row started (2 cores: above 2, other work competed).", "",
+             "| clients | model | threads | system | round (s) | speed-up vs plain | peak RSS (MB) | accuracy | load |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|"]
     verdicts = []
     for config in CONFIGS:
         for model in MODELS:
@@ -194,12 +198,13 @@ def render(rows: list[dict[str, Any]], rounds: int, threads: list[int], device: 
                     if r is None:
                         continue
                     if not r["ok"]:
-                        lines.append(f"| {config} | {model} | {t} | {LABELS[system]} | failed | | | |")
+                        lines.append(f"| {config} | {model} | {t} | {LABELS[system]} | failed | | | | |")
                         continue
                     speedup = (limit["median_round_s"] / r["median_round_s"]
                                if limit and limit.get("ok") and r["median_round_s"] else None)
                     lines.append(f"| {config} | {model} | {t} | {LABELS[system]} | {fmt(r['median_round_s'], 4)} | "
-                                 f"{fmt(speedup, 1)} | {r['peak_rss_mb']:.0f} | {fmt(r['accuracy'], 4)} |")
+                                 f"{fmt(speedup, 1)} | {r['peak_rss_mb']:.0f} | {fmt(r['accuracy'], 4)} | "
+                                 f"{fmt(r.get('load'), 1)} |")
                     if system == "vectorised" and config == "1000/100" and speedup is not None:
                         goal = TARGETS[model]
                         verdicts.append(f"- {config} {model}, {t} thread(s): vectorised >= {goal:g}x faster than the "
