@@ -20,7 +20,7 @@ model probe), evaluation excluded (once at the end). Torch intra-op threads: eac
 (default ``1,2``: one thread as in the engine benchmark, and both cores of a 2-core machine) for
 every system alike.
 
-    python scripts/bench/vectorised.py          # 24 processes, ~10 min on 2 quiet cores; writes docs/benchmarks.md
+    python scripts/bench/vectorised.py          # 24 processes, ~3 min on 2 quiet cores; writes docs/benchmarks.md
     python scripts/bench/vectorised.py --configs 1000/100 --models mlp --threads 1 --rounds 2 --no-write  # ~1 min
 """
 
