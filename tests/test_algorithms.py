@@ -14,7 +14,7 @@ TIMING = {"round_time_s", "wall_time_s", "eval_time_s", "makespan_s", "balance",
 
 
 def _strip(rows):
-    return [{k: v for k, v in r.items() if k not in TIMING and not k.startswith("busy")} for r in rows]
+    return [{k: v for k, v in r.items() if k not in TIMING and not k.startswith(("busy", "sched_"))} for r in rows]
 
 
 def test_fedavg_digits_reaches_85_percent_within_30_rounds(make_config, tmp_path):

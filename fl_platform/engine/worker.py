@@ -164,7 +164,7 @@ class Worker:
 
     def _train_client(self, ctx: RoundContext, bc: Broadcast, cid: int, acc: _Round) -> ClientUpdate | None:
         """Train one client; a non-finite update is rejected (None) or raised, by ``engine.nonfinite``."""
-        state = self.store.get(cid) if self.stateful else None
+        state = self._load_state(cid)
         own = None
         if self.uplink is not None:  # the compressor's state (ef.*) is not the algorithm's
             state, own = self.uplink.split_state(state)
@@ -185,6 +185,13 @@ class Worker:
             update.state = self.uplink.merge_state(state, update.state, self.uplink.apply(ctx, cid, update, own))
         return update
 
+    def _load_state(self, cid: int) -> State | None:
+        """The client's state on this worker's device (stores keep CPU tensors)."""
+        state = self.store.get(cid) if self.stateful else None
+        if state is None or self.device.type == "cpu":
+            return state
+        return {k: v.to(self.device) for k, v in state.items()}
+
     def _train_chunk(self, ctx: RoundContext, bc: Broadcast, client_ids: list[int], i: int) -> float:
         """Vectorised path: at a chunk boundary, train the next ``cohort_size`` clients at once; their
         updates are then taken in order by ``_train_client``. Returns the seconds it took (shared out
@@ -198,7 +205,7 @@ class Worker:
         self._chunk_end = i + len(cids)
         states = []
         for cid in cids:
-            state = self.store.get(cid) if self.stateful else None
+            state = self._load_state(cid)
             if self.uplink is not None:
                 state, _ = self.uplink.split_state(state)
             states.append(state)

@@ -103,6 +103,9 @@ class LocalTrainer:
         correct = torch.zeros((), device=fm.device, dtype=torch.long)
         seen = 0
         step = epoch = 0
+        if total_steps > 0 and cfg.drop_last and 0 < n < bs:
+            raise ValueError(f"client {client} has {n} samples < train.batch_size={bs} with train.drop_last: "
+                             f"it can take none of its train.steps={cfg.steps} steps")
         while step < total_steps and n > 0:
             order = data.indices[torch.randperm(n, generator=gen).to(data.indices.device)]
             stop = n - n % bs if cfg.drop_last else n
