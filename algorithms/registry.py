@@ -10,6 +10,8 @@ _MODULES = {
     "fedavg": "fl_platform.algorithms.fedavg",
     "fedprox": "fl_platform.algorithms.fedprox",
     "scaffold": "fl_platform.algorithms.scaffold",
+    "fedimpro": "fl_platform.algorithms.fedimpro",
+    "vhl": "fl_platform.algorithms.vhl",
     "baow": "fl_platform.algorithms.baow",
     "oneshot_fedavg": "fl_platform.algorithms.oneshot.fedavg",
     "oneshot_ensemble": "fl_platform.algorithms.oneshot.ensemble",
@@ -17,8 +19,6 @@ _MODULES = {
     "oneshot_dense": "fl_platform.algorithms.oneshot.dense",
     "oneshot_coboost": "fl_platform.algorithms.oneshot.coboost",
     "fusefl": "fl_platform.algorithms.fusefl",
-    "fedimpro": "fl_platform.algorithms.fedimpro",
-    "vhl": "fl_platform.algorithms.vhl",
 }
 
 

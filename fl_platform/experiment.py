@@ -167,6 +167,7 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
     spec = get_algorithm(setup.algorithm)
     alg_setup = setup.algorithm_setup(eval_model.num_params, eval_model.num_buffers)
     server = spec.server(setup.algorithm_conf, alg_setup, eval_model.vector.detach().cpu().clone())
+    server.attach_data(data)
     engine = make_engine(cfg, setup)
     loop = LoopConfig(seed=cfg.seed, rounds=cfg.rounds, clients_per_round=cfg.clients_per_round,
                       eval_every=cfg.eval_every, eval_batch_size=cfg.eval_batch_size)

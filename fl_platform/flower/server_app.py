@@ -87,6 +87,7 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
         spec = get_algorithm(setup.algorithm)
         alg_setup = setup.algorithm_setup(eval_model.num_params, eval_model.num_buffers)
         server = spec.server(setup.algorithm_conf, alg_setup, eval_model.vector.detach().cpu().clone())
+        server.attach_data(data)  # one-shot servers distil on a held-out split of it
         client_half = spec.client(setup.algorithm_conf, alg_setup)  # what its replies look like
         uplink = make_uplink(setup.compressor, eval_model, client_half)
         strategy = AlgorithmStrategy(server, seed=cfg.seed, num_rounds=cfg.rounds, num_clients=cfg.num_clients,
