@@ -90,8 +90,11 @@ class ClientUpdate:
     metrics: Metrics = field(default_factory=Metrics)
     state: Tensors | None = None
     bytes_up: int = 0
+    finite: bool | None = None  # known already (checked for a whole cohort in one reduction), or None
 
     def is_finite(self) -> bool:
+        if self.finite is not None:
+            return self.finite
         # A finite sum proves every element finite (one reduction instead of an elementwise pass);
         # only a non-finite sum, which a finite tensor can also give by overflow, needs the full check.
         return all(bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in self.tensors.values())
@@ -110,8 +113,8 @@ class Aggregate:
             acc = self.tensors.get(name)
             if acc is None:
                 self.tensors[name] = t.detach().to(torch.float64, copy=True)
-            else:
-                acc.add_(t.detach().to(torch.float64))
+            else:  # in-place promotion: float32 widened exactly, the sum taken in float64
+                acc.add_(t.detach())
         for name, w in weights.items():
             self.weights[name] = self.weights.get(name, 0.0) + float(w)
         self.count += 1

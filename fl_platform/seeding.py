@@ -31,6 +31,50 @@ def derive_seed(seed: int, *keys: int) -> int:
     return int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
 
 
+# numpy's SeedSequence hash constants (numpy/random/bit_generator.pyx), for ``derive_seeds``.
+_INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
+_MIX_L, _MIX_R, _MASK = 0xCA01F9DD, 0x4973F715, 0xFFFFFFFF
+_POOL = 4
+
+
+def derive_seeds(seed: int, *keys: int | np.ndarray) -> np.ndarray:
+    """``derive_seed`` for many keys at once: any key may be an integer array (broadcast).
+
+    The same hash as ``SeedSequence`` (bit-identical, tested), evaluated column-wise in numpy:
+    a cohort of 100 clients needs its 100 shuffle seeds in one call instead of 100 SeedSequences
+    (about 15 us each, a visible share of a vectorised round).
+    """
+    words = np.broadcast_arrays(*(np.atleast_1d(np.asarray(k, dtype=np.int64)).astype(np.uint64) & np.uint64(_MASK)
+                                  for k in (seed, *keys)))
+    shape = words[0].shape
+    mult = _INIT_A
+
+    def hashmix(value: np.ndarray) -> np.ndarray:
+        nonlocal mult
+        value = (value ^ np.uint64(mult)) * np.uint64(mult * _MULT_A & _MASK) & np.uint64(_MASK)
+        mult = mult * _MULT_A & _MASK
+        return value ^ (value >> np.uint64(16))
+
+    def mix(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        r = (np.uint64(_MIX_L) * x - np.uint64(_MIX_R) * y) & np.uint64(_MASK)
+        return r ^ (r >> np.uint64(16))
+
+    pool = [hashmix(words[i] if i < len(words) else np.zeros(shape, np.uint64)) for i in range(_POOL)]
+    for src in range(_POOL):
+        for dst in range(_POOL):
+            if src != dst:
+                pool[dst] = mix(pool[dst], hashmix(pool[src]))
+    for src in range(_POOL, len(words)):
+        for dst in range(_POOL):
+            pool[dst] = mix(pool[dst], hashmix(words[src]))
+    out, mult_b = [], _INIT_B
+    for i in range(2):  # two 32-bit words make the uint64 state
+        v = (pool[i] ^ np.uint64(mult_b)) * np.uint64(mult_b * _MULT_B & _MASK) & np.uint64(_MASK)
+        mult_b = mult_b * _MULT_B & _MASK
+        out.append(v ^ (v >> np.uint64(16)))
+    return ((out[1] << np.uint64(32) | out[0]) >> np.uint64(1)).astype(np.int64)
+
+
 def numpy_rng(seed: int, *keys: int) -> np.random.Generator:
     return np.random.default_rng(derive_seed(seed, *keys))
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from fl_platform.core import Metrics
-from fl_platform.seeding import Stream, torch_generator
+from fl_platform.seeding import Stream, derive_seeds
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.functional import (
     FunctionalModel,
@@ -182,6 +182,7 @@ class CohortTrainer:
         shuffled = torch.zeros(k_all, width, dtype=torch.long, device=device)
         own_rows = torch.cat([m.data.indices.to(device) for m in ordered])  # clients' rows, back to back
         generators: list[torch.Generator | None] = [None] * k_all
+        shuffle_seeds = derive_seeds(seed, Stream.SHUFFLE, round, np.array([m.client_id for m in ordered]))
         loss_sum = torch.zeros(k_all, device=device)  # float32, as the loop's accumulator
         correct = torch.zeros(k_all, dtype=torch.long, device=device)
         seen = np.zeros(k_all, dtype=np.int64)
@@ -190,7 +191,7 @@ class CohortTrainer:
         for s in range(int(plan.steps.max(initial=0))):
             k = int(np.count_nonzero(plan.steps > s))  # the clients still training: a prefix
             if s in plan.epoch_starts:
-                self._shuffle(shuffled, own_rows, plan, plan.epoch_starts[s], generators, ordered, seed, round)
+                self._shuffle(shuffled, own_rows, plan, plan.epoch_starts[s], generators, shuffle_seeds)
             first = (s % plan.per_epoch[:k]) * bs
             batch = np.minimum(bs, plan.sizes[:k] - first)
             b = int(batch.max())
@@ -239,15 +240,16 @@ class CohortTrainer:
 
     @staticmethod
     def _shuffle(shuffled: torch.Tensor, own_rows: torch.Tensor, plan: _Schedule, starting: list[int],
-                 generators: list[torch.Generator | None], ordered: list[CohortMember], seed: int,
-                 round: int) -> None:
+                 generators: list[torch.Generator | None], seeds: np.ndarray) -> None:
         """New epoch orders for the clients ``starting`` one: ``indices[randperm(n, generator=gen)]``
-        from each client's own generator, as the loop draws them, written in one indexed copy."""
+        from each client's own generator (``torch_generator(seed, SHUFFLE, round, client)``, whose
+        seeds ``seeds`` holds), as the loop draws them, written in one indexed copy."""
         perms = []
         for i in starting:
             gen = generators[i]
             if gen is None:
-                gen = generators[i] = torch_generator(seed, Stream.SHUFFLE, round, ordered[i].client_id)
+                gen = generators[i] = torch.Generator()
+                gen.manual_seed(int(seeds[i]))
             perms.append(torch.randperm(int(plan.sizes[i]), generator=gen))
         rows = np.asarray(starting)
         counts = plan.sizes[rows]
