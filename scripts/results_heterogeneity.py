@@ -72,8 +72,10 @@ ABLATIONS: list[tuple[str, str, list[str], str, tuple[str, ...]]] = [
      "law-of-total-variance aggregation instead of the uniform mean of client mu/sigma", BOTH),
     ("fedimpro_reference_quirks", "fedimpro", ["algorithm.stats_update=last_batch", "algorithm.sample_from=local"],
      "the reference's last-minibatch statistics and sampling from the drifting local copy", FMNIST),
+    ("fedimpro_lambda0", "fedimpro", ["algorithm.weight_schedule=constant", "algorithm.constant_weight=0"],
+     "control: the sampled-feature term switched off (w_fake = 0), everything else FedImpro's", BOTH),
     ("fedimpro_T500", "fedimpro", ["algorithm.weight_max_rounds=500"],
-     "the reference's absolute T = 500 (lambda_r = r/500 < 0.06 in 30 rounds)", FMNIST),
+     "the reference's absolute T = 500 (w_fake = r/500 < 0.06 in 30 rounds; < 0.03 with gradualhalfhalf)", BOTH),
     ("fedimpro_gradual2half", "fedimpro", ["algorithm.weight_schedule=gradual2half"],
      "real-feature weight kept at 1 (gradual2half) instead of decaying to 0.5 (gradualhalfhalf)", FEMNIST),
     ("vhl_ce_only", "vhl", ["algorithm.align_weight=0", "algorithm.noise_supcon_weight=0"],
@@ -143,12 +145,18 @@ def _fmt(values: list[float]) -> str:
     return f"{100 * mean:.2f} ± {100 * std:.2f}"
 
 
-def _accuracy_cells(runs: list[dict[str, Any]]) -> str:
+def _last5(run: dict[str, Any]) -> float:
+    return plot._mean_std([row["test_accuracy"] for row in run["rows"] if "test_accuracy" in row][-5:])[0]
+
+
+def _accuracy_cells(runs: list[dict[str, Any]], reference: list[dict[str, Any]]) -> str:
+    """seeds | final | best | last-5 mean | paired last-5 difference to ``reference`` (same seeds)."""
     final = [r["summary"]["final_test_accuracy"] for r in runs]
     best = [r["summary"]["best_test_accuracy"] for r in runs]
-    last5 = [plot._mean_std([row["test_accuracy"] for row in r["rows"] if "test_accuracy" in row][-5:])[0]
-             for r in runs]
-    return f"{len(runs)} | {_fmt(final)} | {_fmt(best)} | {_fmt(last5)}"
+    ref = {r["summary"]["seed"]: _last5(r) for r in reference}
+    diffs = [_last5(r) - ref[r["summary"]["seed"]] for r in runs if r["summary"]["seed"] in ref]
+    signed = f"{100 * plot._mean_std(diffs)[0]:+.2f} ± {100 * plot._mean_std(diffs)[1]:.2f}" if diffs else "-"
+    return f"{len(runs)} | {_fmt(final)} | {_fmt(best)} | {_fmt([_last5(r) for r in runs])} | {signed}"
 
 
 def _predshift(runs: list[dict[str, Any]]) -> str:
@@ -162,11 +170,13 @@ def main_section(dataset: str, jobs: list[Job], stats: dict[Path, dict[str, floa
     png = plot.plot({LABELS[a]: r for a, r in runs.items()}, out / f"heterogeneity_{dataset}_{budget}.png",
                     "round", "test_accuracy", f"{dataset}: test accuracy vs round (mean ± std over seeds)")
     lines = ["| algorithm | seeds | final test accuracy | best test accuracy | mean of the last 5 evaluations |"
-             " final PredShift accuracy | CPU time per run (s) |", "|---|---|---|---|---|---|---|"]
+             " last-5 mean minus FedAvg's (paired by seed) | final PredShift accuracy | CPU time per run (s) |",
+             "|---|---|---|---|---|---|---|---|"]
     for alg in algorithms:
         cpu = [stats[j.run_dir].get("cpu_s") for j in jobs if j.dataset == dataset and j.label == alg]
         cpu_cell = f"{sum(cpu) / len(cpu):.0f}" if cpu and None not in cpu else "-"
-        lines.append(f"| {LABELS[alg]} | {_accuracy_cells(runs[alg])} | {_predshift(runs[alg])} | {cpu_cell} |")
+        lines.append(f"| {LABELS[alg]} | {_accuracy_cells(runs[alg], runs.get('fedavg', []))} | "
+                     f"{_predshift(runs[alg])} | {cpu_cell} |")
     first = {j.label: j for j in reversed(jobs) if j.dataset == dataset}
     alg_lines = "".join(f"- {LABELS[a]}: `{' '.join(o for o in first[a].overrides if o.startswith('algorithm'))}`\n"
                         for a in algorithms)
@@ -176,18 +186,21 @@ def main_section(dataset: str, jobs: list[Job], stats: dict[Path, dict[str, floa
 
 def ablation_section(dataset: str, jobs: list[Job], ablation_jobs: list[Job], out: Path, budget: str) -> str:
     lines = ["| variant | changed setting | seeds | final test accuracy | best test accuracy |"
-             " mean of the last 5 evaluations | final PredShift accuracy |", "|---|---|---|---|---|---|---|"]
+             " mean of the last 5 evaluations | last-5 mean minus FedAvg's (paired by seed) |"
+             " final PredShift accuracy |", "|---|---|---|---|---|---|---|---|"]
     groups: dict[str, list[dict[str, Any]]] = {}
+    fedavg = [plot.load_run(j.run_dir) for j in jobs if j.dataset == dataset and j.label == "fedavg"]
     for alg in ("fedavg", "fedimpro", "vhl"):
         runs = [plot.load_run(j.run_dir) for j in jobs if j.dataset == dataset and j.label == alg]
         if runs:
             groups[LABELS[alg]] = runs
-            lines.append(f"| {LABELS[alg]} (main table) | - | {_accuracy_cells(runs)} | {_predshift(runs)} |")
+            lines.append(f"| {LABELS[alg]} (main table) | - | {_accuracy_cells(runs, fedavg)} | {_predshift(runs)} |")
     for tag, _, extra, what, _ in ABLATIONS:
         runs = [plot.load_run(j.run_dir) for j in ablation_jobs if j.label == tag and j.dataset == dataset]
         if runs:
             groups[tag] = runs
-            lines.append(f"| {tag} | {what} (`{' '.join(extra)}`) | {_accuracy_cells(runs)} | {_predshift(runs)} |")
+            lines.append(f"| {tag} | {what} (`{' '.join(extra)}`) | {_accuracy_cells(runs, fedavg)} | "
+                         f"{_predshift(runs)} |")
     png = plot.plot(groups, out / f"heterogeneity_ablations_{dataset}_{budget}.png", "round", "test_accuracy",
                     f"{dataset}: ablations (mean over seeds)")
     return (f"## Ablations ({dataset}, same data, model and training as above)\n\n" + "\n".join(lines)
