@@ -2,10 +2,16 @@
 against the plain sequential loop (the limit of training clients one by one) and our own
 sequential path, on the same workload.
 
-Workload (the issue's): FedAvg on scikit-learn digits, ``partition=iid``, 1 local epoch, batch 10,
-SGD lr 0.05, seed 0, for the MLP (64-128-10) and the small CNN (conv 32, conv 64, fc 128). With
-1,000 clients every client holds 1 or 2 training samples, so one local step each; ``100/100``
-(about 14 samples, 2 steps per client) is a second, less extreme point. Systems:
+Workloads: FedAvg, 1 local epoch, batch 10, SGD lr 0.05, seed 0, on
+
+* ``synthetic-mlp``: the engine benchmark's workload (scripts/bench/engine.py): FedProx
+  Synthetic(0.5, 0.5) with devices of about 12 samples (power-law sizes), MLP 60-128-10;
+* ``mlp`` and ``cnn``: scikit-learn digits, ``partition=iid``, MLP 64-128-10 and the small CNN
+  (conv 32, conv 64, fc 128). With 1,000 clients every client holds 1 or 2 training samples, so one
+  local step each (the extreme where per-client bookkeeping outweighs the training); ``100/100``
+  (about 14 samples, 2 steps per client) is a second point.
+
+Systems:
 
 * ``plain``: the limit, written here: one process, no framework, the sampled clients trained one
   after another with plain PyTorch (torch.optim.SGD, index batches on tensors), the weighted sum of
@@ -43,18 +49,26 @@ CONFIGS: dict[str, dict[str, int]] = {
     "1000/100": {"num_clients": 1000, "clients_per_round": 100},
     "100/100": {"num_clients": 100, "clients_per_round": 100},
 }
-MODELS: dict[str, dict[str, Any]] = {"mlp": {"hidden": [128]}, "cnn": {"channels": [32, 64], "hidden": 128}}
+# workload -> (model, its options, dataset overrides); "synthetic-mlp" is the engine benchmark's.
+SYNTHETIC = {"alpha": 0.5, "beta": 0.5, "size_mean": 1.0, "size_sigma": 1.0, "min_size": 10}  # = engine.SOURCE
+MODELS: dict[str, tuple[str, dict[str, Any], list[str]]] = {
+    "synthetic-mlp": ("mlp", {"hidden": [128]},
+                      ["dataset=synthetic", "partition=natural", *(f"dataset.{k}={v}" for k, v in SYNTHETIC.items())]),
+    "mlp": ("mlp", {"hidden": [128]}, ["dataset=digits", "partition=iid"]),
+    "cnn": ("cnn", {"channels": [32, 64], "hidden": 128}, ["dataset=digits", "partition=iid"]),
+}
 SYSTEMS = ["plain", "sequential", "vectorised"]
 LABELS = {"plain": "plain loop (limit)", "sequential": "ours, sequential (cohort_size=1)",
           "vectorised": "ours, vectorised (cohort_size=auto)"}
-TARGETS = {"mlp": 5.0, "cnn": 3.0}  # vectorised speed-up over the plain loop (issue 8), at 1000/100
+TARGETS = {"synthetic-mlp": 5.0, "mlp": 5.0, "cnn": 3.0}  # vectorised speed-up over the plain loop (issue 8), at 1000/100
 LR, BATCH, SEED = 0.05, 10, 0
 
 
 def our_overrides(config: str, model: str, rounds: int, device: str) -> list[str]:
     c = CONFIGS[config]
-    opts = [f"model.{k}={json.dumps(v).replace(' ', '')}" for k, v in MODELS[model].items()]
-    return ["dataset=digits", "partition=iid", f"model={model}", *opts,
+    name, options, dataset = MODELS[model]
+    opts = [f"model.{k}={json.dumps(v).replace(' ', '')}" for k, v in options.items()]
+    return [*dataset, f"model={name}", *opts,
             f"num_clients={c['num_clients']}", f"clients_per_round={c['clients_per_round']}",
             f"rounds={rounds}", f"eval_every={rounds}", "train.epochs=1", f"train.batch_size={BATCH}",
             f"train.lr={LR}", "train.optimizer=sgd", f"seed={SEED}", "save_model=false",
@@ -75,9 +89,15 @@ def child_plain(config: str, model_name: str, rounds: int, device: str) -> dict[
 
     c = CONFIGS[config]
     dev = torch.device(device)
-    data = build_federated_dataset("digits", num_clients=c["num_clients"], partition_name="iid", seed=SEED).to(dev)
+    name, options, _ = MODELS[model_name]
+    if model_name == "synthetic-mlp":
+        data = build_federated_dataset("synthetic", num_clients=c["num_clients"], partition_name="natural",
+                                       seed=SEED, source_options=dict(SYNTHETIC))
+    else:
+        data = build_federated_dataset("digits", num_clients=c["num_clients"], partition_name="iid", seed=SEED)
+    data = data.to(dev)
     seed_torch_global(SEED, Stream.INIT)  # the same initial weights as our engine's
-    model = build_model(model_name, tuple(data.input_shape), data.num_classes, **MODELS[model_name]).to(dev)
+    model = build_model(name, tuple(data.input_shape), data.num_classes, **options).to(dev)
     params = [t for t in model.state_dict().values() if t.is_floating_point()]
     startup = process_age_s()
     times = []
@@ -181,9 +201,11 @@ def render(rows: list[dict[str, Any]], rounds: int, threads: list[int], device: 
     lines = ["## Vectorised cohort training vs the plain sequential loop", "",
              f"Measured by `python scripts/bench/vectorised.py` on {hardware_line()}; {time.strftime('%Y-%m-%d')}; "
              f"device {device}. Other work on the machine adds noise.", "",
-             "Workload: FedAvg on scikit-learn digits, iid partition, 1 local epoch, batch 10, SGD lr 0.05; MLP "
-             "64-128-10 and the small CNN (conv 32, conv 64, fc 128). At 1000/100 each client holds 1-2 samples "
-             "(one local step), at 100/100 about 14 (two steps). Round time: median of rounds "
+             "Workloads: FedAvg, 1 local epoch, batch 10, SGD lr 0.05. `synthetic-mlp` is the engine benchmark's "
+             "(FedProx Synthetic(0.5, 0.5), devices of about 12 samples, MLP 60-128-10); `mlp` and `cnn` use "
+             "scikit-learn digits (iid): MLP 64-128-10 and the small CNN (conv 32, conv 64, fc 128). With digits at "
+             "1000/100 each client holds 1-2 samples (one local step: per-client bookkeeping outweighs the "
+             "training), at 100/100 about 14 (two steps). Round time: median of rounds "
              f"2..{rounds}, evaluation excluded. Speed-up: plain-loop round time / this system's. Load: the "
              "machine's 1-minute load average when the row started (2 cores: above 2, other work competed).", "",
              "| clients | model | threads | system | round (s) | speed-up vs plain | peak RSS (MB) | accuracy | load |",
