@@ -20,7 +20,7 @@ from fl_platform.engine.simulation import is_timing_key
 from fl_platform.experiment import ConfigError, build
 from fl_platform.models import build_model
 from fl_platform.training.flat import FlatModel
-from fl_platform.training.functional import NotVectorisable, gradient_terms
+from fl_platform.training.functional import FunctionalModel, NotVectorisable, gradient_terms
 from fl_platform.training.hooks import Batch, ComposedHooks, GradientCorrectionHook, ProximalHook, TrainHooks
 from fl_platform.training.loop import ClientData, LocalTrainer, NonFiniteError, TrainConfig
 from fl_platform.training.vectorised import (
@@ -367,3 +367,26 @@ def test_algorithm_without_functional_form_falls_back_with_one_log_line(caplog, 
 def test_bad_cohort_size_is_a_config_error():
     with pytest.raises(ConfigError, match=r"engine\.cohort_size"):
         build(compose_config(*ENGINE, "engine.cohort_size=lots"))
+
+
+@pytest.mark.parametrize("input_shape", [(60,), (1, 8, 8)])
+def test_the_mlps_batched_matmul_step_equals_the_vmapped_step(input_shape):
+    """The MLP skips functorch (``_dense_grads``); its gradients, losses and hits are vmap's."""
+    torch.manual_seed(0)
+    fm = FlatModel(build_model("mlp", input_shape, 10, hidden=[32, 16]), torch.device("cpu"))
+    fn = FunctionalModel(fm)
+    assert fn._dense is not None
+    assert FunctionalModel(FlatModel(build_model("cnn", (1, 8, 8), 10), torch.device("cpu")))._dense is None
+    k, b = 4, 6
+    rows = fm.vector.detach().repeat(k, 1)[:, : fn.num_params] + 0.01 * torch.randn(k, fn.num_params)
+    x, y = torch.randn(k, b, *input_shape), torch.randint(0, 10, (k, b))
+    weight = torch.ones(k, b)
+    weight[1:, 4:] = 0  # shorter batches, padded
+    for w in (None, weight):
+        grads, loss, hits = fn.grads(rows, {}, x, y, w)
+        views = fn.param_views(rows)
+        g, (vloss, vhits) = fn._plain(views, {}, x, y) if w is None else fn._masked(views, {}, x, y, w)
+        for got, slot in zip(grads, fn.param_slots):
+            torch.testing.assert_close(got, g[slot.name].reshape(k, slot.numel), rtol=0, atol=1e-6)
+        torch.testing.assert_close(loss, vloss, rtol=0, atol=1e-6)
+        assert torch.equal(hits, vhits)
