@@ -138,7 +138,6 @@ class ClientAlgorithm:
             trainer.fm.load(res.vector)
             yield res.client_id, self.finish(ctx, res.client_id, broadcast, state, data, trainer, plan, res.metrics)
 
-
     @staticmethod
     def _finish_cohort_fedavg(datas: Sequence[ClientData], plans: list[LocalPlan], results: list[MemberResult],
                               ) -> Iterator[tuple[int, ClientUpdate | NonFiniteError]]:
