@@ -44,18 +44,18 @@ if __package__ in (None, ""):  # run as a script: make `common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import REPO, fmt, hardware_line, median, process_age_s, run_child, write_section
+from engine import SOURCE as SYNTHETIC  # the engine benchmark's Synthetic devices
 
 CONFIGS: dict[str, dict[str, int]] = {
     "1000/100": {"num_clients": 1000, "clients_per_round": 100},
     "100/100": {"num_clients": 100, "clients_per_round": 100},
 }
-# workload -> (model, its options, dataset overrides); "synthetic-mlp" is the engine benchmark's.
-SYNTHETIC = {"alpha": 0.5, "beta": 0.5, "size_mean": 1.0, "size_sigma": 1.0, "min_size": 10}  # = engine.SOURCE
-MODELS: dict[str, tuple[str, dict[str, Any], list[str]]] = {
-    "synthetic-mlp": ("mlp", {"hidden": [128]},
-                      ["dataset=synthetic", "partition=natural", *(f"dataset.{k}={v}" for k, v in SYNTHETIC.items())]),
-    "mlp": ("mlp", {"hidden": [128]}, ["dataset=digits", "partition=iid"]),
-    "cnn": ("cnn", {"channels": [32, 64], "hidden": 128}, ["dataset=digits", "partition=iid"]),
+# workload -> (model, its options, dataset, partition, source options); "synthetic-mlp" is the
+# engine benchmark's workload.
+MODELS: dict[str, tuple[str, dict[str, Any], str, str, dict[str, Any]]] = {
+    "synthetic-mlp": ("mlp", {"hidden": [128]}, "synthetic", "natural", SYNTHETIC),
+    "mlp": ("mlp", {"hidden": [128]}, "digits", "iid", {}),
+    "cnn": ("cnn", {"channels": [32, 64], "hidden": 128}, "digits", "iid", {}),
 }
 SYSTEMS = ["plain", "sequential", "vectorised"]
 LABELS = {"plain": "plain loop (limit)", "sequential": "ours, sequential (cohort_size=1)",
@@ -66,9 +66,10 @@ LR, BATCH, SEED = 0.05, 10, 0
 
 def our_overrides(config: str, model: str, rounds: int, device: str) -> list[str]:
     c = CONFIGS[config]
-    name, options, dataset = MODELS[model]
+    name, options, dataset, partition, source = MODELS[model]
     opts = [f"model.{k}={json.dumps(v).replace(' ', '')}" for k, v in options.items()]
-    return [*dataset, f"model={name}", *opts,
+    return [f"dataset={dataset}", f"partition={partition}", *(f"dataset.{k}={v}" for k, v in source.items()),
+            f"model={name}", *opts,
             f"num_clients={c['num_clients']}", f"clients_per_round={c['clients_per_round']}",
             f"rounds={rounds}", f"eval_every={rounds}", "train.epochs=1", f"train.batch_size={BATCH}",
             f"train.lr={LR}", "train.optimizer=sgd", f"seed={SEED}", "save_model=false",
@@ -89,13 +90,9 @@ def child_plain(config: str, model_name: str, rounds: int, device: str) -> dict[
 
     c = CONFIGS[config]
     dev = torch.device(device)
-    name, options, _ = MODELS[model_name]
-    if model_name == "synthetic-mlp":
-        data = build_federated_dataset("synthetic", num_clients=c["num_clients"], partition_name="natural",
-                                       seed=SEED, source_options=dict(SYNTHETIC))
-    else:
-        data = build_federated_dataset("digits", num_clients=c["num_clients"], partition_name="iid", seed=SEED)
-    data = data.to(dev)
+    name, options, dataset, partition, source = MODELS[model_name]
+    data = build_federated_dataset(dataset, num_clients=c["num_clients"], partition_name=partition, seed=SEED,
+                                   source_options=dict(source)).to(dev)
     seed_torch_global(SEED, Stream.INIT)  # the same initial weights as our engine's
     model = build_model(name, tuple(data.input_shape), data.num_classes, **options).to(dev)
     params = [t for t in model.state_dict().values() if t.is_floating_point()]
