@@ -153,10 +153,12 @@ def _accuracy_cells(runs: list[dict[str, Any]], reference: list[dict[str, Any]])
     """seeds | final | best | last-5 mean | paired last-5 difference to ``reference`` (same seeds)."""
     final = [r["summary"]["final_test_accuracy"] for r in runs]
     best = [r["summary"]["best_test_accuracy"] for r in runs]
+    last5 = [_last5(r) for r in runs]
     ref = {r["summary"]["seed"]: _last5(r) for r in reference}
-    diffs = [_last5(r) - ref[r["summary"]["seed"]] for r in runs if r["summary"]["seed"] in ref]
-    signed = f"{100 * plot._mean_std(diffs)[0]:+.2f} ± {100 * plot._mean_std(diffs)[1]:.2f}" if diffs else "-"
-    return f"{len(runs)} | {_fmt(final)} | {_fmt(best)} | {_fmt([_last5(r) for r in runs])} | {signed}"
+    diffs = [v - ref[r["summary"]["seed"]] for r, v in zip(runs, last5) if r["summary"]["seed"] in ref]
+    mean, std = plot._mean_std(diffs) if diffs else (0.0, 0.0)
+    signed = f"{100 * mean:+.2f} ± {100 * std:.2f}" if diffs else "-"
+    return f"{len(runs)} | {_fmt(final)} | {_fmt(best)} | {_fmt(last5)} | {signed}"
 
 
 def _predshift(runs: list[dict[str, Any]]) -> str:
@@ -189,9 +191,10 @@ def ablation_section(dataset: str, jobs: list[Job], ablation_jobs: list[Job], ou
              " mean of the last 5 evaluations | last-5 mean minus FedAvg's (paired by seed) |"
              " final PredShift accuracy |", "|---|---|---|---|---|---|---|---|"]
     groups: dict[str, list[dict[str, Any]]] = {}
-    fedavg = [plot.load_run(j.run_dir) for j in jobs if j.dataset == dataset and j.label == "fedavg"]
-    for alg in ("fedavg", "fedimpro", "vhl"):
-        runs = [plot.load_run(j.run_dir) for j in jobs if j.dataset == dataset and j.label == alg]
+    main = {alg: [plot.load_run(j.run_dir) for j in jobs if j.dataset == dataset and j.label == alg]
+            for alg in ("fedavg", "fedimpro", "vhl")}
+    fedavg = main["fedavg"]
+    for alg, runs in main.items():
         if runs:
             groups[LABELS[alg]] = runs
             lines.append(f"| {LABELS[alg]} (main table) | - | {_accuracy_cells(runs, fedavg)} | {_predshift(runs)} |")
