@@ -157,10 +157,9 @@ class ClientAlgorithm:
             if res.error is not None:
                 yield res.client_id, res.error
                 continue
-            num = data.num_samples
-            ok_row = finite[row] or bool(torch.isfinite(deltas[row]).all())
+            num = data.num_samples  # a non-finite row sum is left to ClientUpdate.is_finite's own check
             yield res.client_id, ClientUpdate(res.client_id, {"delta": deltas[row]}, {"n": float(num)}, num,
-                                              res.metrics, finite=ok_row)
+                                              res.metrics, finite=True if finite[row] else None)
             row += 1
 
 
