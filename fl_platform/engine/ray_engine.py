@@ -17,6 +17,16 @@ Client state (``engine.state_store``):
 * ``memory``: with W > 1 it is ``distributed`` with memory homes. A worker crash then loses its
   home clients' states, so the engine refuses to continue a stateful run after one (use disk).
 
+Compiled graph (``engine.compiled_graph``, default on): a round whose broadcast is small (at most
+1 MiB) and whose state is not lent between workers goes through a Ray compiled graph: one
+``execute`` writes (context, broadcast, plan) into shared-memory channels that every actor's
+execution loop reads, instead of one RPC per actor. It saves about 1 ms of a round's fixed cost
+(measured: an echo of a 9,610-float model 1.7 ms by RPC, 0.6 ms compiled), which is what bounds
+short rounds. The graph is compiled on first use (about 70 ms) and torn down on a fault or at
+close; other actor calls (state commits, checkpoints, pings) run as usual beside it. Its idle
+actors poll their channels (about a quarter of a core each while the driver works between
+rounds); ``engine.compiled_graph=false`` turns it off.
+
 Faults: when an actor dies (crash, OOM kill, ``os._exit``), the engine starts a new actor for the
 same worker id and reruns that worker's clients with the same broadcast; since states are staged
 and applied only after every result arrived, the rerun starts from unmodified states and the
@@ -109,6 +119,11 @@ class RayWorker(Worker):
     def is_stateful(self) -> bool:
         return self.stateful
 
+    def run_round_planned(self, call: tuple[RoundContext, Broadcast, list[list[int]]]) -> WorkerResult:
+        """The compiled graph's entry point: every actor reads the same input and takes its own clients."""
+        ctx, broadcast, assignment = call
+        return self.run_round(ctx, broadcast, assignment[self.worker_id])
+
 
 def _conf(cfg: Any, key: str, default: Any = None) -> Any:
     value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
@@ -160,6 +175,9 @@ class RayEngine(Engine):
         self.gpus_per_worker = gpus
         self.max_restarts = int(_conf(cfg, "max_restarts", 3))
         self.inline_bytes = 64 * 1024  # below Ray's 100 KiB limit for objects passed inside a call
+        self.compiled = bool(_conf(cfg, "compiled_graph", True))
+        self.compiled_max_bytes = 1 << 20  # channels copy through the driver: slower than the object store for large ones
+        self._dag: Any = None
         kind = setup.state_store
         backend = _conf(cfg, "state_backend", "disk")
         if kind == "memory" and num_workers > 1:
@@ -233,6 +251,7 @@ class RayEngine(Engine):
                 f"Ray worker {worker_id} died ({reason}); it held its home clients' state in memory, "
                 f"which is lost. Use engine.state_store=disk or engine.state_backend=disk to survive worker faults.")
         log.warning("Ray worker %d died (%s); starting a new one and rerunning its clients", worker_id, reason)
+        self._teardown_dag()  # it binds the dead actor; recompiled with the new one on next use
         with contextlib.suppress(Exception):  # already gone
             ray.kill(self.actors[worker_id], no_restart=True)
         self._incarnation[worker_id] += 1
@@ -253,8 +272,12 @@ class RayEngine(Engine):
         results: list[WorkerResult | None] = [None] * self.num_workers
         parts: list[list[Any]] = [[] for _ in range(self.num_workers)]  # parts[trainer][home]: refs
         todo = list(range(self.num_workers))
+        if self.compiled and needs is None and broadcast.nbytes() <= self.compiled_max_bytes:
+            done = self._compiled_round(ctx, broadcast, plan)
+            if done is not None:
+                results[:], todo = done, []
         for attempt in range(self.max_restarts + 1):
-            failed = self._submit_and_gather(ctx, bc_ref, plan, needs, todo, results, parts)
+            failed = self._submit_and_gather(ctx, bc_ref, plan, needs, todo, results, parts) if todo else set()
             if not failed:
                 break
             if attempt == self.max_restarts:
@@ -269,6 +292,42 @@ class RayEngine(Engine):
         self._stats = self.scheduler.record(plan, [r.client_seconds for r in done], [r.busy_seconds for r in done])
         self._stats["sched_engine_s"] = time.perf_counter() - t0
         return done
+
+    def _compiled_round(self, ctx: RoundContext, broadcast: Broadcast, plan: Plan) -> list[WorkerResult] | None:
+        """Every worker's result through the compiled graph, or None when an actor died (the graph is
+        torn down; the caller reruns the round by RPC, which restarts the dead worker)."""
+        ray = self._ray
+        if self._dag is None:
+            from ray.dag import InputNode, MultiOutputNode
+
+            with InputNode() as inp:
+                graph = MultiOutputNode([actor.run_round_planned.bind(inp) for actor in self.actors])
+            self._dag = graph.experimental_compile(_submit_timeout=-1)  # -1: no timeout (rounds may be long)
+        try:
+            refs = self._dag.execute((ctx, broadcast, plan.assignment))
+            return [ref.get(timeout=-1) for ref in refs]
+        except (ray.exceptions.RayActorError, ray.exceptions.RayChannelError) as err:
+            log.warning("round %d: a Ray worker died in the compiled graph (%s); rerunning the round by RPC",
+                        ctx.round + 1, type(err).__name__)
+            self._teardown_dag()
+            return None
+        except ray.exceptions.RayTaskError as err:
+            raise err.as_instanceof_cause() from None
+
+    def _teardown_dag(self) -> None:
+        if self._dag is None:
+            return
+        dag, self._dag = self._dag, None
+        # Ray logs each dead actor's cancelled loop at ERROR level; the death is already reported.
+        dag_log = logging.getLogger("ray.dag.compiled_dag_node")
+        level = dag_log.level
+        dag_log.setLevel(logging.CRITICAL)
+        try:
+            dag.teardown()
+        except Exception as err:  # a dead actor's loop cannot be cancelled: nothing left to free
+            log.debug("compiled graph teardown: %s", err)
+        finally:
+            dag_log.setLevel(level)
 
     def _submit_and_gather(self, ctx: RoundContext, bc_ref: Any, plan: Plan, needs: list | None,
                            todo: list[int], results: list, parts: list[list[Any]]) -> set[int]:
@@ -358,6 +417,7 @@ class RayEngine(Engine):
 
     def close(self) -> None:
         ray = self._ray
+        self._teardown_dag()
         try:
             ray.get([a.close.remote() for a in self.actors], timeout=60)
         except Exception as err:  # closing must not hide the run's own outcome
