@@ -369,14 +369,17 @@ def test_bad_cohort_size_is_a_config_error():
         build(compose_config(*ENGINE, "engine.cohort_size=lots"))
 
 
-@pytest.mark.parametrize("input_shape", [(60,), (1, 8, 8)])
-def test_the_mlps_batched_matmul_step_equals_the_vmapped_step(input_shape):
-    """The MLP skips functorch (``_dense_grads``); its gradients, losses and hits are vmap's."""
+@pytest.mark.parametrize("model,input_shape", [("mlp", (60,)), ("mlp", (1, 8, 8)), ("cnn", (1, 8, 8)),
+                                               ("cnn", (3, 12, 12))])
+def test_the_batched_matmul_and_grouped_conv_step_equals_the_vmapped_step(model, input_shape):
+    """Plain chains skip functorch (``_dense_grads``); their gradients, losses and hits are vmap's."""
     torch.manual_seed(0)
-    fm = FlatModel(build_model("mlp", input_shape, 10, hidden=[32, 16]), torch.device("cpu"))
+    options = {"hidden": [32, 16]} if model == "mlp" else {"channels": [4, 8], "hidden": 16}
+    fm = FlatModel(build_model(model, input_shape, 10, **options), torch.device("cpu"))
     fn = FunctionalModel(fm)
     assert fn._dense is not None
-    assert FunctionalModel(FlatModel(build_model("cnn", (1, 8, 8), 10), torch.device("cpu")))._dense is None
+    normed = build_model("cnn", (1, 8, 8), 10, norm="group")
+    assert FunctionalModel(FlatModel(normed, torch.device("cpu")))._dense is None  # GroupNorm: vmap
     k, b = 4, 6
     rows = fm.vector.detach().repeat(k, 1)[:, : fn.num_params] + 0.01 * torch.randn(k, fn.num_params)
     x, y = torch.randn(k, b, *input_shape), torch.randint(0, 10, (k, b))

@@ -256,30 +256,58 @@ def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got - expected).norm()) / (float(expected.norm()) + 1e-12)
 
 
-def _dense_chain(model: nn.Module) -> list[tuple[str, str | None, str | None]] | None:
-    """The model as ``[(kind, weight name, bias name)]`` when its forward is a plain chain of Linear,
-    ReLU and (per-sample) Flatten layers, e.g. our MLP; None otherwise (then vmap is used)."""
+@dataclass(frozen=True)
+class DenseLayer:
+    """One layer of a plain chain (see ``_dense_chain``): its kind, parameter names and settings."""
+
+    kind: str  # linear | conv | relu | maxpool | flatten
+    weight: str | None = None
+    bias: str | None = None
+    options: tuple = ()  # conv: (stride, padding); maxpool: (kernel_size, stride, padding)
+
+
+def _dense_chain(model: nn.Module) -> list[DenseLayer] | None:
+    """The model as a list of ``DenseLayer`` when its forward is a plain chain of Linear, Conv2d
+    (ungrouped, zero padding), ReLU, MaxPool2d and (per-sample) Flatten layers, e.g. our MLP and
+    our CNN without normalisation; None otherwise (then vmap is used)."""
     from fl_platform.models.base import StagedModel
 
     if not isinstance(model, StagedModel) or type(model).forward is not StagedModel.forward:
         return None
     names = {id(m): n for n, m in model.named_modules()}
-    chain: list[tuple[str, str | None, str | None]] = []
+    chain: list[DenseLayer] = []
+
+    def params(m: nn.Module) -> tuple[str, str | None]:
+        return f"{names[id(m)]}.weight", f"{names[id(m)]}.bias" if m.bias is not None else None
 
     def walk(m: nn.Module) -> bool:
         if type(m) is nn.Sequential:
             return all(walk(c) for c in m)
         if type(m) is nn.Linear:
-            chain.append(("linear", f"{names[id(m)]}.weight", f"{names[id(m)]}.bias" if m.bias is not None else None))
+            chain.append(DenseLayer("linear", *params(m)))
+        elif type(m) is nn.Conv2d:
+            if m.groups != 1 or m.padding_mode != "zeros" or isinstance(m.padding, str) or m.dilation != (1, 1):
+                return False
+            chain.append(DenseLayer("conv", *params(m), options=(m.stride, m.padding)))
+        elif type(m) is nn.MaxPool2d:
+            if m.dilation not in (1, (1, 1)) or m.ceil_mode or m.return_indices:
+                return False
+            chain.append(DenseLayer("maxpool", options=(m.kernel_size, m.stride, m.padding)))
         elif type(m) is nn.ReLU:
-            chain.append(("relu", None, None))
+            chain.append(DenseLayer("relu"))
         elif type(m) is nn.Flatten and m.start_dim == 1 and m.end_dim == -1:
-            chain.append(("flatten", None, None))
+            chain.append(DenseLayer("flatten"))
         elif type(m) is not nn.Identity:
             return False
         return True
 
-    return chain if all(walk(s) for s in model.stages.values()) else None
+    if not all(walk(s) for s in model.stages.values()):
+        return None
+    convs = [i for i, layer in enumerate(chain) if layer.kind in ("conv", "maxpool")]
+    flat = next((i for i, layer in enumerate(chain) if layer.kind in ("flatten", "linear")), len(chain))
+    if convs and (convs[-1] > flat or chain[flat].kind != "flatten"):
+        return None  # image layers after the flatten, or a Linear on images: leave it to vmap
+    return chain
 
 
 class FunctionalModel:
@@ -310,6 +338,7 @@ class FunctionalModel:
         self._plain = vmap(grad(self._client_loss, has_aux=True))
         self._masked = vmap(grad(self._client_masked_loss, has_aux=True))
         self._dense = _dense_chain(self.model) if not self.buffer_slots else None
+        self._conv_params = {layer.weight for layer in self._dense or () if layer.kind == "conv"}
         # Padding is exact unless samples of one batch interact (BatchNorm); checked by probe().
         self.can_pad = not self.batchnorms
 
@@ -338,7 +367,7 @@ class FunctionalModel:
     def grads(self, params: torch.Tensor, buffers: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
               weight: torch.Tensor | None = None) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """(per-slot gradients, each ``(k, numel)``; losses (k,); correct counts (k,)) for k clients."""
-        if self._dense and (x.dim() == 3 or self._dense[0][0] == "flatten"):  # (k, B, features) for bmm
+        if self._dense and self._dense_applies(x):
             return self._dense_grads(params, x, y, weight)
         views = self.param_views(params)
         if weight is None:
@@ -351,27 +380,58 @@ class FunctionalModel:
             grads[i] = torch.zeros_like(grads[i])
         return grads, loss, correct
 
+    def _dense_applies(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` ((k, B, ...)) has the shape the chain's first layer takes without vmap."""
+        first = self._dense[0].kind
+        if first in ("conv", "maxpool"):
+            return x.dim() == 5  # (k, B, C, H, W)
+        return x.dim() == 3 or first == "flatten"  # (k, B, features), or images flattened first
+
     def _dense_grads(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None,
                      ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """``grads`` for a chain of Linear/ReLU/Flatten layers without vmap: the k clients' layers as
-        batched matrix products and one ordinary backward of the sum of the clients' losses (each
-        client's loss depends only on its own rows, so each row gets its own gradient). The same
-        arithmetic as the vmapped step, without functorch's per-call dispatch (about 2 ms a step
-        on this kind of CPU, as much as the step itself for small MLPs)."""
+        """``grads`` for a plain chain (``_dense_chain``) without vmap, the same arithmetic as the
+        vmapped step without functorch's per-call dispatch (about 2 ms a step on this kind of CPU,
+        as much as the step itself for small models). The k clients' Linear layers are batched
+        matrix products; their convolutions one grouped convolution (group i: client i), with the
+        activations laid out as (B, k * C, H, W), which ReLU and max-pooling take as they are; one
+        ordinary backward of the sum of the clients' losses gives each client its own gradient
+        (a client's loss depends only on its own parameters)."""
         k = params.shape[0]
-        leaves = {s.name: params[:, s.offset : s.offset + s.numel].detach().view(k, *s.shape).requires_grad_()
-                  for s in self.param_slots}
+        leaves = {}
+        for s in self.param_slots:
+            view = params[:, s.offset : s.offset + s.numel].detach()
+            # Convolution weights enter as one contiguous (k * out, in, kh, kw) tensor, the form the
+            # grouped convolution takes (its gradient comes back in that form: a free reshape).
+            leaves[s.name] = (view.contiguous() if s.name in self._conv_params else view).view(k, *s.shape)
+            leaves[s.name].requires_grad_()
         with torch.enable_grad():
-            h = x
-            for kind, w, b in self._dense:
-                if kind == "flatten":
-                    h = h.reshape(k, h.shape[1], -1)
-                elif kind == "relu":
+            # Layouts: "images" (B, k * C, H, W), grouped by client for the convolutions; "rows"
+            # (k, B, F), the input; "columns" (k, F, B), for the Linear layers: W @ h gives the
+            # weight's gradient as grad_out @ h^T, contiguous in W's own shape (no transposing copy).
+            h, layout = x, "rows"
+            if self._dense[0].kind in ("conv", "maxpool"):  # (k, B, C, H, W) -> (B, k * C, H, W)
+                h, layout = x.transpose(0, 1).reshape(x.shape[1], k * x.shape[2], *x.shape[3:]), "images"
+            for layer in self._dense:
+                if layer.kind == "conv":
+                    w = leaves[layer.weight]
+                    bias = leaves[layer.bias].reshape(-1) if layer.bias else None
+                    stride, padding = layer.options
+                    h = F.conv2d(h, w.reshape(-1, *w.shape[2:]), bias, stride, padding, groups=k)
+                elif layer.kind == "maxpool":
+                    h = F.max_pool2d(h, *layer.options)
+                elif layer.kind == "relu":
                     h = torch.relu(h)
-                elif b is None:
-                    h = torch.bmm(h, leaves[w].transpose(1, 2))
-                else:
-                    h = torch.baddbmm(leaves[b].unsqueeze(1), h, leaves[w].transpose(1, 2))
+                elif layer.kind == "flatten" and layout == "images":
+                    h, layout = h.reshape(h.shape[0], k, -1).permute(1, 2, 0), "columns"
+                elif layer.kind == "flatten" and layout == "rows":
+                    h = h.reshape(k, h.shape[1], -1)
+                elif layer.kind == "linear":
+                    if layout == "rows":
+                        h, layout = h.transpose(1, 2), "columns"
+                    w = leaves[layer.weight]
+                    h = torch.bmm(w, h) if layer.bias is None else torch.baddbmm(leaves[layer.bias].unsqueeze(2), w, h)
+            if layout == "columns":
+                h = h.transpose(1, 2)  # logits (k, B, classes)
             ce = F.cross_entropy(h.reshape(-1, h.shape[-1]), y.reshape(-1), reduction="none").view(k, -1)
             hit = h.detach().argmax(dim=-1) == y
             if weight is None:
