@@ -57,6 +57,23 @@ def test_fedavg_inline_vs_ray_1_and_2_workers(ray_session):
 
 
 @pytest.mark.ray
+@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold"])
+def test_ray_compiled_graph_rounds_equal_rpc_rounds(ray_session, algorithm):
+    def ray_run(compiled: bool):
+        exp = build(compose_config(*COMMON, f"algorithm={algorithm}", "engine=ray", "engine.num_workers=2",
+                                   "engine.state_store=disk", f"engine.compiled_graph={str(compiled).lower()}"))
+        try:
+            exp.simulation.run()
+            assert (exp.engine._dag is not None) is compiled  # the path under test was taken
+        finally:
+            exp.engine.close()
+        rows = [{k: v for k, v in row.items() if not is_timing_key(k)} for row in exp.simulation.history]
+        return exp.simulation.server.weights.clone(), rows
+
+    assert_same(ray_run(True), ray_run(False))
+
+
+@pytest.mark.ray
 @pytest.mark.parametrize("store", ["disk", "distributed"])
 def test_scaffold_inline_vs_ray_2_workers(ray_session, store):
     ref = run("algorithm=scaffold")

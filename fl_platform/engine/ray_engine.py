@@ -265,9 +265,6 @@ class RayEngine(Engine):
         ray = self._ray
         t0 = time.perf_counter()
         plan = self.scheduler.plan(ctx.clients)
-        # A small broadcast travels inside each call (one RPC); a large one is put into the object
-        # store once and every worker reads the same copy (an extra fetch, paid once per worker).
-        bc_ref = ray.put(broadcast) if broadcast.nbytes() > self.inline_bytes else broadcast
         needs = lending_plan(plan.assignment, self.num_workers) if self.distributed and self.stateful else None
         results: list[WorkerResult | None] = [None] * self.num_workers
         parts: list[list[Any]] = [[] for _ in range(self.num_workers)]  # parts[trainer][home]: refs
@@ -276,6 +273,9 @@ class RayEngine(Engine):
             done = self._compiled_round(ctx, broadcast, plan)
             if done is not None:
                 results[:], todo = done, []
+        # By RPC, a small broadcast travels inside each call; a large one is put into the object
+        # store once and every worker reads the same copy (an extra fetch, paid once per worker).
+        bc_ref = ray.put(broadcast) if todo and broadcast.nbytes() > self.inline_bytes else broadcast
         for attempt in range(self.max_restarts + 1):
             failed = self._submit_and_gather(ctx, bc_ref, plan, needs, todo, results, parts) if todo else set()
             if not failed:
@@ -302,7 +302,13 @@ class RayEngine(Engine):
 
             with InputNode() as inp:
                 graph = MultiOutputNode([actor.run_round_planned.bind(inp) for actor in self.actors])
-            self._dag = graph.experimental_compile(_submit_timeout=-1)  # -1: no timeout (rounds may be long)
+            try:
+                self._dag = graph.experimental_compile(_submit_timeout=-1)  # -1: no timeout (rounds may be long)
+            except Exception as err:  # e.g. a cluster whose nodes cannot share channels
+                log.warning("Ray compiled graph unavailable (%s: %s); every round goes by RPC "
+                            "(engine.compiled_graph=false silences this)", type(err).__name__, err)
+                self.compiled = False
+                return None
         try:
             refs = self._dag.execute((ctx, broadcast, plan.assignment))
             return [ref.get(timeout=-1) for ref in refs]

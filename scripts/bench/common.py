@@ -142,6 +142,32 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def combine_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from repeated runs of the same (configuration, system): the median of each timing
+    (per-run medians of the round time, start-up, ...), the largest peak RSS, and every run's
+    median round time under ``repeat_round_s`` (their spread shows the machine's noise). A failed
+    run makes the row fail."""
+    failed = [r for r in runs if not r["ok"]]
+    if failed:
+        return failed[0]
+    row = dict(runs[-1])
+    for key in ("median_round_s", "startup_s", "first_round_s", "wall_s"):
+        if all(key in r for r in runs):
+            row[key] = statistics.median(r[key] for r in runs)
+    row["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)
+    row["repeat_round_s"] = [r["median_round_s"] for r in runs]
+    row["repeats"] = len(runs)
+    return row
+
+
+def spread(row: dict[str, Any]) -> str:
+    """The per-run median round times of a combined row as 'min-max' (ms), or '' for one run."""
+    runs = row.get("repeat_round_s") or []
+    if len(runs) < 2:
+        return ""
+    return f"{min(runs) * 1e3:.1f}-{max(runs) * 1e3:.1f}"
+
+
 def write_section(path: Path, name: str, body: str, title: str = "# Benchmarks") -> None:
     """Replace (or append) the text between ``<!-- name:start -->`` and ``<!-- name:end -->``."""
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"

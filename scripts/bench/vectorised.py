@@ -24,9 +24,11 @@ Each (configuration, model, system) runs in a fresh process (scripts/bench/commo
 engine benchmark). Round time: median of rounds 2..R (round 1 includes warm-up: vmap tracing, the
 model probe), evaluation excluded (once at the end). Torch intra-op threads: each of ``--threads``
 (default ``1,2``: one thread as in the engine benchmark, and both cores of a 2-core machine) for
-every system alike.
+every system alike. Each row is ``--repeats`` runs (default 3, fresh processes, the three systems
+interleaved): the median of the runs' median round times, with their range (this VM's round
+times move by 10-50 % from run to run).
 
-    python scripts/bench/vectorised.py          # 24 processes, ~3 min on 2 quiet cores; writes docs/benchmarks.md
+    python scripts/bench/vectorised.py          # 108 processes, ~8 min on 2 quiet cores; writes docs/benchmarks.md
     python scripts/bench/vectorised.py --configs 1000/100 --models mlp --threads 1 --rounds 2 --no-write  # ~1 min
 """
 
@@ -43,7 +45,17 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, fmt, hardware_line, median, process_age_s, run_child, write_section
+from common import (
+    REPO,
+    combine_repeats,
+    fmt,
+    hardware_line,
+    median,
+    process_age_s,
+    run_child,
+    spread,
+    write_section,
+)
 from engine import SOURCE as SYNTHETIC  # the engine benchmark's Synthetic devices
 
 CONFIGS: dict[str, dict[str, int]] = {
@@ -203,10 +215,13 @@ def render(rows: list[dict[str, Any]], rounds: int, threads: list[int], device: 
              "scikit-learn digits (iid): MLP 64-128-10 and the small CNN (conv 32, conv 64, fc 128). With digits at "
              "1000/100 each client holds 1-2 samples (one local step: per-client bookkeeping outweighs the "
              "training), at 100/100 about 14 (two steps). Round time: median of rounds "
-             f"2..{rounds}, evaluation excluded. Speed-up: plain-loop round time / this system's. Load: the "
-             "machine's 1-minute load average when the row started (2 cores: above 2, other work competed).", "",
-             "| clients | model | threads | system | round (s) | speed-up vs plain | peak RSS (MB) | accuracy | load |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+             f"2..{rounds}, evaluation excluded, median over the runs (fresh processes, systems interleaved), "
+             "with the runs' range in ms. Speed-up: plain-loop round time / this system's. Load: the "
+             "machine's 1-minute load average when the row's last run started (2 cores: above 2, other work "
+             "competed).", "",
+             "| clients | model | threads | system | runs | round (s) | range (ms) | speed-up vs plain | peak RSS (MB) "
+             "| accuracy | load |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     verdicts = []
     for config in CONFIGS:
         for model in MODELS:
@@ -217,11 +232,12 @@ def render(rows: list[dict[str, Any]], rounds: int, threads: list[int], device: 
                     if r is None:
                         continue
                     if not r["ok"]:
-                        lines.append(f"| {config} | {model} | {t} | {LABELS[system]} | failed | | | | |")
+                        lines.append(f"| {config} | {model} | {t} | {LABELS[system]} | failed | | | | | | |")
                         continue
                     speedup = (limit["median_round_s"] / r["median_round_s"]
                                if limit and limit.get("ok") and r["median_round_s"] else None)
-                    lines.append(f"| {config} | {model} | {t} | {LABELS[system]} | {fmt(r['median_round_s'], 4)} | "
+                    lines.append(f"| {config} | {model} | {t} | {LABELS[system]} | {r.get('repeats', 1)} | "
+                                 f"{fmt(r['median_round_s'], 4)} | {spread(r)} | "
                                  f"{fmt(speedup, 1)} | {r['peak_rss_mb']:.0f} | {fmt(r['accuracy'], 4)} | "
                                  f"{fmt(r.get('load'), 1)} |")
                     if system == "vectorised" and config == "1000/100" and speedup is not None:
@@ -239,6 +255,7 @@ def main() -> None:
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3, help="runs of each (config, model, threads, system)")
     p.add_argument("--threads", default="1,2", help="comma list of torch intra-op thread counts (each for all systems)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per (config, model, system) process")
@@ -269,16 +286,20 @@ def main() -> None:
     for config in picked["configs"]:
         for model in picked["models"]:
             for t in threads:
-                for system in picked["systems"]:
-                    print(f"[bench] {config} {model} {t} thread(s) {system} ...", flush=True)
-                    row = {**measure(system, config, model, a.rounds, t, a.device, a.timeout), **same}
-                    rows[(config, model, system, t)] = row
-                    brief = (f"round {fmt(row.get('median_round_s'), 4)} s, RSS {row['peak_rss_mb']:.0f} MB, "
-                             f"acc {fmt(row.get('accuracy'), 4)}") if row["ok"] else row["error"]
-                    print(f"[bench] {config} {model} {t} thread(s) {system}: {brief}", flush=True)
-                    if not a.no_write:
-                        a.results.parent.mkdir(parents=True, exist_ok=True)
-                        a.results.write_text(json.dumps({"rows": list(rows.values())}, indent=1))
+                runs: dict[str, list[dict[str, Any]]] = {}
+                for rep in range(a.repeats):
+                    for system in picked["systems"]:
+                        print(f"[bench] {config} {model} {t} thread(s) {system} (run {rep + 1}) ...", flush=True)
+                        row = measure(system, config, model, a.rounds, t, a.device, a.timeout)
+                        runs.setdefault(system, []).append(row)
+                        brief = (f"round {fmt(row.get('median_round_s'), 4)} s, RSS {row['peak_rss_mb']:.0f} MB, "
+                                 f"acc {fmt(row.get('accuracy'), 4)}") if row["ok"] else row["error"]
+                        print(f"[bench] {config} {model} {t} thread(s) {system}: {brief}", flush=True)
+                for system, done in runs.items():
+                    rows[(config, model, system, t)] = {**combine_repeats(done), **same}
+                if not a.no_write:
+                    a.results.parent.mkdir(parents=True, exist_ok=True)
+                    a.results.write_text(json.dumps({"rows": list(rows.values())}, indent=1))
     all_threads = sorted({r["threads"] for r in rows.values()})
     text = render(list(rows.values()), a.rounds, all_threads, a.device)
     print(text)
