@@ -305,7 +305,7 @@ def _dense_chain(model: nn.Module) -> list[DenseLayer] | None:
         return None
     convs = [i for i, layer in enumerate(chain) if layer.kind in ("conv", "maxpool")]
     flat = next((i for i, layer in enumerate(chain) if layer.kind in ("flatten", "linear")), len(chain))
-    if convs and (convs[-1] > flat or chain[flat].kind != "flatten"):
+    if convs and (flat == len(chain) or convs[-1] > flat or chain[flat].kind != "flatten"):
         return None  # image layers after the flatten, or a Linear on images: leave it to vmap
     return chain
 
