@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,26 @@ def combine_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row["repeat_round_s"] = [r["median_round_s"] for r in runs]
     row["repeats"] = len(runs)
     return row
+
+
+def measure_interleaved(label: str, systems: list[str], runs_of: Callable[[str], int],
+                        measure: Callable[[str], dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each system's combined row (``combine_repeats``) from ``runs_of(system)`` runs of
+    ``measure(system)``, the systems interleaved run by run (a, b, c, a, b, c, ...) so that the
+    machine's drifts fall on every system alike. Prints one line per run, prefixed with ``label``."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for rep in range(max((runs_of(s) for s in systems), default=0)):
+        for system in systems:
+            if rep >= runs_of(system):
+                continue
+            print(f"[bench] {label} {system} (run {rep + 1}) ...", flush=True)
+            row = measure(system)
+            runs.setdefault(system, []).append(row)
+            brief = (f"round {fmt(row.get('median_round_s'), 4)} s, start-up {fmt(row.get('startup_s'), 2)} s, "
+                     f"RSS {row['peak_rss_mb']:.0f} MB, acc {fmt(row.get('accuracy'), 4)}") if row["ok"] \
+                else row["error"]
+            print(f"[bench] {label} {system}: {brief}", flush=True)
+    return {system: combine_repeats(done) for system, done in runs.items()}
 
 
 def spread(row: dict[str, Any]) -> str:

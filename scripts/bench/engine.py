@@ -44,9 +44,9 @@ if __package__ in (None, ""):  # run as a script: make `common` importable
 
 from common import (
     REPO,
-    combine_repeats,
     fmt,
     hardware_line,
+    measure_interleaved,
     median,
     process_age_s,
     run_child,
@@ -420,21 +420,12 @@ def main() -> None:
         old = [r for r in json.loads(a.results.read_text())["rows"] if r.get("rounds") == a.rounds]
     rows = {(r["config"], r["system"]): r for r in old}
     for config in configs:
-        runs: dict[str, list[dict[str, Any]]] = {}
         todo = [s for s in systems if (s, config) not in SKIP]
-        for rep in range(max(a.repeats, a.flower_repeats)):
-            for system in todo:
-                if rep >= (a.flower_repeats if system.startswith("flower") else a.repeats):
-                    continue
-                print(f"[bench] {config} {system} (run {rep + 1}) ...", flush=True)
-                row = measure(system, config, a.rounds, a.timeout)
-                runs.setdefault(system, []).append(row)
-                brief = (f"round {fmt(row.get('median_round_s'), 4)} s, start-up {fmt(row.get('startup_s'), 2)} s, "
-                         f"RSS {row['peak_rss_mb']:.0f} MB, acc {fmt(row.get('accuracy'), 4)}") if row["ok"] \
-                    else row["error"]
-                print(f"[bench] {config} {system}: {brief}", flush=True)
-        for system, done in runs.items():
-            rows[(config, system)] = {**combine_repeats(done), "rounds": a.rounds}
+        combined = measure_interleaved(
+            config, todo, lambda s: a.flower_repeats if s.startswith("flower") else a.repeats,
+            lambda s, config=config: measure(s, config, a.rounds, a.timeout))
+        for system, row in combined.items():
+            rows[(config, system)] = {**row, "rounds": a.rounds}
         if not a.no_write:
             a.results.parent.mkdir(parents=True, exist_ok=True)
             a.results.write_text(json.dumps({"rows": list(rows.values())}, indent=1))

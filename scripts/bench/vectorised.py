@@ -47,9 +47,9 @@ if __package__ in (None, ""):  # run as a script: make `common` importable
 
 from common import (
     REPO,
-    combine_repeats,
     fmt,
     hardware_line,
+    measure_interleaved,
     median,
     process_age_s,
     run_child,
@@ -286,17 +286,12 @@ def main() -> None:
     for config in picked["configs"]:
         for model in picked["models"]:
             for t in threads:
-                runs: dict[str, list[dict[str, Any]]] = {}
-                for rep in range(a.repeats):
-                    for system in picked["systems"]:
-                        print(f"[bench] {config} {model} {t} thread(s) {system} (run {rep + 1}) ...", flush=True)
-                        row = measure(system, config, model, a.rounds, t, a.device, a.timeout)
-                        runs.setdefault(system, []).append(row)
-                        brief = (f"round {fmt(row.get('median_round_s'), 4)} s, RSS {row['peak_rss_mb']:.0f} MB, "
-                                 f"acc {fmt(row.get('accuracy'), 4)}") if row["ok"] else row["error"]
-                        print(f"[bench] {config} {model} {t} thread(s) {system}: {brief}", flush=True)
-                for system, done in runs.items():
-                    rows[(config, model, system, t)] = {**combine_repeats(done), **same}
+                combined = measure_interleaved(
+                    f"{config} {model} {t} thread(s)", picked["systems"], lambda _s: a.repeats,
+                    lambda s, config=config, model=model, t=t: measure(s, config, model, a.rounds, t, a.device,
+                                                                       a.timeout))
+                for system, row in combined.items():
+                    rows[(config, model, system, t)] = {**row, **same}
                 if not a.no_write:
                     a.results.parent.mkdir(parents=True, exist_ok=True)
                     a.results.write_text(json.dumps({"rows": list(rows.values())}, indent=1))
