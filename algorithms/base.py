@@ -9,7 +9,7 @@ the inline engine, Ray workers and the Flower apps all use these classes unchang
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -109,7 +109,7 @@ class ClientAlgorithm:
     def train_cohort(self, ctx: RoundContext, client_ids: Sequence[int], broadcast: Broadcast,
                      states: Sequence[dict[str, torch.Tensor] | None], datas: Sequence[ClientData],
                      trainer: LocalTrainer, cohort: CohortTrainer,
-                     ) -> Iterator[tuple[int, ClientUpdate | NonFiniteError]]:
+                     ) -> Iterable[tuple[int, ClientUpdate | NonFiniteError]]:
         """Several clients at once (vectorised); each gets the update ``train`` would give it.
 
         Trains eagerly, raising NotVectorisable before training anything when this algorithm has
@@ -122,15 +122,21 @@ class ClientAlgorithm:
         plans = [self.prepare(ctx, c, broadcast, s, d, trainer) for c, s, d in zip(client_ids, states, datas)]
         members = [CohortMember(c, d, p.start, p.hooks) for c, d, p in zip(client_ids, datas, plans)]
         results = cohort.fit(members, seed=ctx.seed, round=ctx.round)
-        return self._finish_cohort(ctx, broadcast, states, datas, trainer, plans, results)
+        return self._finish_cohort(ctx, broadcast, states, datas, trainer, cohort, plans, results)
 
     def _finish_cohort(self, ctx: RoundContext, broadcast: Broadcast,
                        states: Sequence[dict[str, torch.Tensor] | None], datas: Sequence[ClientData],
-                       trainer: LocalTrainer, plans: list[LocalPlan], results: list[MemberResult],
-                       ) -> Iterator[tuple[int, ClientUpdate | NonFiniteError]]:
+                       trainer: LocalTrainer, cohort: CohortTrainer, plans: list[LocalPlan],
+                       results: list[MemberResult],
+                       ) -> Iterable[tuple[int, ClientUpdate | NonFiniteError]]:
         if type(self).finish is ClientAlgorithm.finish:
-            yield from self._finish_cohort_fedavg(datas, plans, results)
-            return
+            return FedAvgCohort(datas, plans, results, cohort)
+        return self._finish_each(ctx, broadcast, states, datas, trainer, plans, results)
+
+    def _finish_each(self, ctx: RoundContext, broadcast: Broadcast,
+                     states: Sequence[dict[str, torch.Tensor] | None], datas: Sequence[ClientData],
+                     trainer: LocalTrainer, plans: list[LocalPlan], results: list[MemberResult],
+                     ) -> Iterator[tuple[int, ClientUpdate | NonFiniteError]]:
         for state, data, plan, res in zip(states, datas, plans, results):
             if res.error is not None:
                 yield res.client_id, res.error
@@ -138,11 +144,24 @@ class ClientAlgorithm:
             trainer.fm.load(res.vector)
             yield res.client_id, self.finish(ctx, res.client_id, broadcast, state, data, trainer, plan, res.metrics)
 
-    @staticmethod
-    def _finish_cohort_fedavg(datas: Sequence[ClientData], plans: list[LocalPlan], results: list[MemberResult],
-                              ) -> Iterator[tuple[int, ClientUpdate | NonFiniteError]]:
-        """The default ``finish`` for a whole cohort in a few tensor operations instead of a few per
-        client (at one local step per client, that bookkeeping rivals the training itself)."""
+
+@dataclass
+class FedAvgCohort:
+    """The default ``finish`` (FedAvg's ``n * delta`` and ``n``) for a whole trained chunk.
+
+    Iterating gives each client's ClientUpdate, as ``train`` would (a few tensor operations for the
+    whole chunk instead of a few per client: at one local step per client that bookkeeping rivals
+    the training). A worker that only sums the contributions calls ``sum_into`` instead, which adds
+    the chunk in one pass over the trained rows and never materialises the deltas.
+    """
+
+    datas: Sequence[ClientData]
+    plans: list[LocalPlan]
+    results: list[MemberResult]
+    cohort: CohortTrainer
+
+    def __iter__(self) -> Iterator[tuple[int, ClientUpdate | NonFiniteError]]:
+        datas, plans, results = self.datas, self.plans, self.results
         ok = [i for i, res in enumerate(results) if res.error is None]
         deltas, finite = None, []
         if ok:
@@ -161,6 +180,37 @@ class ClientAlgorithm:
             yield res.client_id, ClientUpdate(res.client_id, {"delta": deltas[row]}, {"n": float(num)}, num,
                                               res.metrics, finite=True if finite[row] else None)
             row += 1
+
+    def sum_into(self, agg: Aggregate) -> list[tuple[int, ClientUpdate | NonFiniteError]]:
+        """Add every accepted client's contribution to ``agg``; returns, per client in order, its
+        NonFiniteError or its ClientUpdate without tensors (weights, samples, metrics, and the bytes
+        its dense delta would have taken).
+
+        The sum is ``sum_k n_k * v_k - sum_k n_k * start_k`` taken in float64 (``v_k``: client k's
+        trained vector), so it equals the sum of the float32 deltas that ``__iter__`` gives up to
+        their own float32 rounding (~1e-7 relative). Training already rejected every client whose
+        vector is not finite; with finite vectors and starts, this float64 sum is finite.
+        """
+        out: list[tuple[int, ClientUpdate | NonFiniteError]] = []
+        ok = [i for i, res in enumerate(self.results) if res.error is None]
+        if ok:
+            n = [float(self.datas[i].num_samples) for i in ok]
+            total = self.cohort.weighted_sum([self.results[i] for i in ok], n)
+            starts: dict[int, tuple[torch.Tensor, float]] = {}  # id(start) -> (start, its clients' summed n)
+            for i, weight in zip(ok, n):
+                start = self.plans[i].start
+                starts[id(start)] = (start, starts.get(id(start), (start, 0.0))[1] + weight)
+            for start, weight in starts.values():
+                total.sub_(start.to(torch.float64), alpha=weight)
+            agg.add({"delta": total}, {"n": sum(n)}, count=len(ok))
+        for data, res in zip(self.datas, self.results):
+            if res.error is not None:
+                out.append((res.client_id, res.error))
+            else:
+                out.append((res.client_id, ClientUpdate(res.client_id, {}, {"n": float(data.num_samples)},
+                                                        data.num_samples, res.metrics,
+                                                        bytes_up=res.vector.numel() * 4, finite=True)))
+        return out
 
 
 class ServerAlgorithm:

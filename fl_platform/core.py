@@ -108,7 +108,8 @@ class Aggregate:
     weights: dict[str, float] = field(default_factory=dict)
     count: int = 0
 
-    def add(self, tensors: Mapping[str, torch.Tensor], weights: Mapping[str, float]) -> None:
+    def add(self, tensors: Mapping[str, torch.Tensor], weights: Mapping[str, float], count: int = 1) -> None:
+        """Add one contribution, or the sum of ``count`` of them."""
         for name, t in tensors.items():
             acc = self.tensors.get(name)
             if acc is None:
@@ -117,14 +118,13 @@ class Aggregate:
                 acc.add_(t.detach())
         for name, w in weights.items():
             self.weights[name] = self.weights.get(name, 0.0) + float(w)
-        self.count += 1
+        self.count += count
 
     def add_update(self, update: ClientUpdate) -> None:
         self.add(update.tensors, update.weights)
 
     def merge(self, other: Aggregate) -> Aggregate:
-        self.add(other.tensors, other.weights)
-        self.count += other.count - 1
+        self.add(other.tensors, other.weights, other.count)
         return self
 
     def to(self, device: torch.device | str) -> Aggregate:

@@ -61,18 +61,21 @@ def poison_client(exp, client: int) -> None:
         w.data.train_x[idx] = float("inf")
 
 
-def test_nonfinite_update_fails_the_run_naming_the_client():
-    exp = build(compose_config(*COMMON, "engine.nonfinite=fail"))
+@pytest.mark.parametrize("cohort", ["1", "4"])
+def test_nonfinite_update_fails_the_run_naming_the_client(cohort):
+    exp = build(compose_config(*COMMON, "engine.nonfinite=fail", f"engine.cohort_size={cohort}"))
     victim = sample_clients(0, 0, 100, 12)[3]
     poison_client(exp, victim)
     with pytest.raises(NonFiniteError, match=f"client {victim} in round 1"):
         exp.simulation.run()
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold"])
-def test_nonfinite_update_is_skipped_and_never_averaged(algorithm):
+@pytest.mark.parametrize("algorithm,cohort", [("fedavg", "1"), ("scaffold", "1"), ("fedavg", "4"), ("scaffold", "4")])
+def test_nonfinite_update_is_skipped_and_never_averaged(algorithm, cohort):
+    """Sequential, and vectorised in chunks of 4 (FedAvg's chunks are summed at once)."""
     victim = sample_clients(0, 0, 100, 12)[3]
-    exp = build(compose_config(*COMMON, f"algorithm={algorithm}", "engine.nonfinite=skip", "rounds=1"))
+    exp = build(compose_config(*COMMON, f"algorithm={algorithm}", "engine.nonfinite=skip", "rounds=1",
+                               f"engine.cohort_size={cohort}"))
     poison_client(exp, victim)
     exp.simulation.run()
     row = exp.simulation.history[0]

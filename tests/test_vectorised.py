@@ -213,6 +213,40 @@ def test_algorithms_cohort_updates_and_global_model_equal_sequential(model, algo
     assert float((server_seq.weights - server_vec.weights).abs().max()) <= TOL
 
 
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_fedavg_chunk_summed_at_once_equals_the_sum_of_its_updates(model):
+    """The worker's fast path (FedAvgCohort.sum_into) adds what summing the clients' updates adds,
+    leaves out a rejected client, and returns each client's weight, samples and metrics."""
+    fm = FlatModel(_model(model))
+    cfg = TrainConfig(epochs=1, batch_size=10, lr=0.05)
+    client = _algorithm("fedavg", fm, cfg)[1]
+    ctx = RoundContext(round=0, seed=3, clients=tuple(range(len(SIZES))), num_rounds=1, num_clients=len(SIZES))
+    datas = _data()
+    datas[0].x[datas[3].indices] = float("nan")  # client 3 is rejected
+    bc = Broadcast({"weights": fm.vector.clone()})
+    trainer, cohort = LocalTrainer(fm, cfg), CohortTrainer(fm, cfg)
+    states = [None] * len(SIZES)
+    each = list(client.train_cohort(ctx, ctx.clients, bc, states, datas, trainer, cohort))
+    expected = Aggregate()
+    for _, u in each:
+        if not isinstance(u, NonFiniteError):
+            expected.add_update(u)
+    got = Aggregate()
+    summed = client.train_cohort(ctx, ctx.clients, bc, states, datas, trainer, cohort).sum_into(got)
+    assert [c for c, _ in summed] == list(ctx.clients) and isinstance(summed[3][1], NonFiniteError)
+    assert got.count == expected.count == len(SIZES) - 1 and got.weights == expected.weights
+    assert float((got.tensors["delta"] - expected.tensors["delta"]).abs().max()) <= TOL
+    for (_, a), (_, b) in zip(each, summed):
+        if not isinstance(a, NonFiniteError):
+            assert (a.weights, a.num_samples, a.metrics.values) == (b.weights, b.num_samples, b.metrics.values)
+            assert b.bytes_up == fm.vector.numel() * 4 and not b.tensors
+    earlier = cohort.fit([CohortMember(0, datas[0], bc.tensors["weights"])], seed=0, round=0)
+    assert cohort.weighted_sum(earlier, [2.0]).equal(2 * earlier[0].vector.double())
+    cohort.fit([CohortMember(0, datas[0], bc.tensors["weights"])], seed=0, round=0)
+    with pytest.raises(ValueError, match="last fit"):  # an earlier fit's rows may have been reused
+        cohort.weighted_sum(earlier, [1.0])
+
+
 def test_hooks_without_a_functional_form_are_named():
     class ExtraLoss(TrainHooks):
         def loss(self, model, batch: Batch):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from fl_platform.algorithms.base import FedAvgCohort
 from fl_platform.algorithms.registry import get_algorithm
 from fl_platform.compression.uplink import make_uplink
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
@@ -101,6 +102,7 @@ class Worker:
         # engine.cohort_size > 1 or auto: clients train in vectorised chunks (docs/vectorised.md).
         self.cohort = CohortTrainer(self.fm, setup.train) if setup.cohort_size != 1 else None
         self._pending: Iterator[tuple[int, ClientUpdate | NonFiniteError]] | None = None
+        self._summed = False  # the pending chunk's contributions are in the aggregate already
         self._chunk_end = 0
         self._shares: dict[int, float] = {}
         self._per_client_bytes: int | None = None
@@ -133,7 +135,7 @@ class Worker:
         for i, cid in enumerate(client_ids):
             self._inject_fault(ctx, cid)
             t0 = time.perf_counter()
-            chunk_seconds = self._train_chunk(ctx, bc, client_ids, i)
+            chunk_seconds = self._train_chunk(ctx, bc, client_ids, i, acc.aggregate)
             update = self._train_client(ctx, bc, cid, acc)
             if update is not None:
                 self._fold(update, acc)
@@ -192,12 +194,14 @@ class Worker:
             return state
         return {k: v.to(self.device) for k, v in state.items()}
 
-    def _train_chunk(self, ctx: RoundContext, bc: Broadcast, client_ids: list[int], i: int) -> float:
+    def _train_chunk(self, ctx: RoundContext, bc: Broadcast, client_ids: list[int], i: int,
+                     aggregate: Aggregate) -> float:
         """Vectorised path: at a chunk boundary, train the next ``cohort_size`` clients at once; their
-        updates are then taken in order by ``_train_client``. Returns the seconds it took (shared out
+        updates are then taken in order by ``_train_client`` (their contributions already summed into
+        ``aggregate`` when the chunk can be summed at once). Returns the seconds it took (shared out
         over the chunk's clients by their work, for the scheduler's runtime model)."""
         if i == 0:
-            self._pending, self._chunk_end, self._shares = None, 0, {}
+            self._pending, self._summed, self._chunk_end, self._shares = None, False, 0, {}
         if self.cohort is None or i < self._chunk_end:
             return 0.0
         t0 = time.perf_counter()
@@ -211,13 +215,17 @@ class Worker:
             states.append(state)
         datas = [self.client_data(cid) for cid in cids]
         try:
-            self._pending = self.client.train_cohort(ctx, cids, bc, states, datas, self.trainer, self.cohort)
+            outcome = self.client.train_cohort(ctx, cids, bc, states, datas, self.trainer, self.cohort)
         except NotVectorisable as err:
             if str(err) not in _SEQUENTIAL_REASONS:  # one line per reason and process
                 _SEQUENTIAL_REASONS.add(str(err))
                 log.warning("engine.cohort_size=%s: clients train one by one: %s", self.setup.cohort_size, err)
             self.cohort = self._pending = None
+            self._summed = False
             return time.perf_counter() - t0
+        # Summed at once when nothing needs each client's tensors (no list mode, no compression).
+        self._summed = self.summable and self.uplink is None and isinstance(outcome, FedAvgCohort)
+        self._pending = iter(outcome.sum_into(aggregate) if self._summed else outcome)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
@@ -255,7 +263,8 @@ class Worker:
         acc.client_stats[update.client_id] = client_stat(update, self.setup.train)
         acc.metrics.merge(update.metrics)
         if self.summable:
-            acc.aggregate.add_update(update)
+            if not self._summed:
+                acc.aggregate.add_update(update)
         else:
             update.tensors = {k: v.detach().to("cpu") for k, v in update.tensors.items()}
             acc.updates.append(update)

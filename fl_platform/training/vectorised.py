@@ -75,6 +75,7 @@ class MemberResult:
     vector: torch.Tensor
     metrics: Metrics
     error: NonFiniteError | None = None
+    row: int = -1  # its row in the cohort's tensor (``CohortTrainer.weighted_sum``)
 
 
 @dataclass
@@ -124,6 +125,7 @@ class CohortTrainer:
         self.optimizer = StackedOptimizer(cfg)
         self._reason: str | None = None
         self._probed = False
+        self._vectors: torch.Tensor | None = None  # the last fit's trained rows
         keep_freed_blocks()  # cohort tensors are large: reuse freed heap blocks (allocator.py)
 
     def unsupported_reason(self, x: torch.Tensor, y: torch.Tensor) -> str | None:
@@ -237,8 +239,38 @@ class CohortTrainer:
                 metrics.add("train_loss", losses[r], int(seen[r]))
                 metrics.add("train_accuracy", float(hits_all[r]), int(seen[r]))
             metrics.add("local_steps", int(plan.steps[r]), 1)
-            results[int(plan.order[r])] = MemberResult(m.client_id, vectors[r], metrics, error)
+            results[int(plan.order[r])] = MemberResult(m.client_id, vectors[r], metrics, error, r)
+        self._vectors = vectors
         return results  # type: ignore[return-value]
+
+    def weighted_sum(self, results: Sequence[MemberResult], weights: Sequence[float]) -> torch.Tensor:
+        """``sum_k weights[k] * results[k].vector`` in float64, for results of the last ``fit``.
+
+        One pass over the trained rows: they are widened to float64 a block at a time (~8 MiB) and
+        summed by a float64 matrix-vector product (a mixed float32/float64 add, row by row, is not
+        vectorised on CPU and took twice as long). Rows not in ``results`` take no part, whatever
+        they hold (a rejected client's NaNs included).
+        """
+        vectors = self._vectors
+        k, d = vectors.shape if vectors is not None else (0, 0)
+        if vectors is None or any(r.vector._base is not vectors or not 0 <= r.row < k for r in results):
+            raise ValueError("weighted_sum takes results of this trainer's last fit only")
+        w = torch.zeros(k, dtype=torch.float64, device=vectors.device)
+        w[torch.tensor([r.row for r in results], dtype=torch.long, device=vectors.device)] = torch.tensor(
+            [float(x) for x in weights], dtype=torch.float64, device=vectors.device)
+        skip = torch.ones(k, dtype=torch.bool)
+        skip[[r.row for r in results]] = False
+        total = torch.zeros(d, dtype=torch.float64, device=vectors.device)
+        step = max(1, min(k, 2**20 // max(d, 1)))
+        block = torch.empty(step, d, dtype=torch.float64, device=vectors.device)
+        for lo in range(0, k, step):
+            hi = min(lo + step, k)
+            part = block[: hi - lo]
+            part.copy_(vectors[lo:hi])
+            if bool(skip[lo:hi].any()):
+                part[skip[lo:hi].to(part.device)] = 0.0
+            total.addmv_(part.T, w[lo:hi])
+        return total
 
     @staticmethod
     def _shuffle(shuffled: torch.Tensor, own_rows: torch.Tensor, plan: _Schedule, starting: list[int],
