@@ -36,22 +36,3 @@ def test_requires_grad_is_kept():
     t = torch.randn(3, requires_grad=True)
     got = _roundtrip(t)
     assert got.requires_grad and torch.equal(got.detach(), t.detach())
-
-
-def test_driver_sleeps_through_most_of_the_expected_round_only_once_calibrated():
-    """The driver sleeps before reading the compiled graph's (spinning) channels: 0.8 x the smaller
-    of the scheduler's prediction and the last measured makespan; nothing before both exist."""
-    from types import SimpleNamespace
-
-    from fl_platform.engine.ray_engine import RayEngine
-    from fl_platform.engine.scheduler import Plan
-
-    def wait(calibrated: bool, stats: dict, predicted: float) -> float:
-        engine = SimpleNamespace(scheduler=SimpleNamespace(model=SimpleNamespace(calibrated=calibrated)),
-                                 _stats=stats)
-        return RayEngine._expected_wait(engine, Plan([[1, 2]], [predicted]))
-
-    assert wait(False, {"sched_makespan_s": 0.05}, 0.04) == 0.0
-    assert wait(True, {}, 0.04) == 0.0  # first round after start or resume
-    assert wait(True, {"sched_makespan_s": 0.05}, 0.04) == pytest.approx(0.032)
-    assert wait(True, {"sched_makespan_s": 0.05}, 9.0) == pytest.approx(0.04)  # a wild prediction is capped

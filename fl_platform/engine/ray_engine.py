@@ -311,7 +311,6 @@ class RayEngine(Engine):
                 return None
         try:
             refs = self._dag.execute((ctx, broadcast, plan.assignment))
-            time.sleep(self._expected_wait(plan))
             return [ref.get(timeout=-1) for ref in refs]
         except (ray.exceptions.RayActorError, ray.exceptions.RayChannelError) as err:
             log.warning("round %d: a Ray worker died in the compiled graph (%s); rerunning the round by RPC",
@@ -320,21 +319,6 @@ class RayEngine(Engine):
             return None
         except ray.exceptions.RayTaskError as err:
             raise err.as_instanceof_cause() from None
-
-    def _expected_wait(self, plan: Plan) -> float:
-        """Seconds the driver sleeps before it reads the graph's outputs.
-
-        Reading a channel spins. With as many cores as workers (1 worker on a 2-core machine), a
-        spinning driver holds a core for the whole round and Ray's own processes (raylet, GCS, the
-        graph's proxy actor) then take their time from the worker's core: measured at 1000/100
-        with 1 worker on 2 cores, the worker's busy time was 61.8-64.2 ms with the driver spinning
-        and 59.1-59.7 ms with it sleeping first. So the driver sleeps through most of the expected
-        makespan (0.8 x the smaller of the scheduler's prediction and the last measured makespan, so
-        a wrong prediction costs little) and spins only for the rest.
-        """
-        if not self.scheduler.model.calibrated or "sched_makespan_s" not in self._stats:
-            return 0.0
-        return 0.8 * max(0.0, min(plan.predicted_makespan, self._stats["sched_makespan_s"]))
 
     def _teardown_dag(self) -> None:
         if self._dag is None:

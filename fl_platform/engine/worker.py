@@ -214,6 +214,7 @@ class Worker:
                 state, _ = self.uplink.split_state(state)
             states.append(state)
         datas = [self.client_data(cid) for cid in cids]
+        self._pending = None  # the previous chunk's results: freed before this chunk trains
         try:
             outcome = self.client.train_cohort(ctx, cids, bc, states, datas, self.trainer, self.cohort)
         except NotVectorisable as err:

@@ -165,6 +165,7 @@ class CohortTrainer:
         if reason is not None:
             raise NotVectorisable(reason)
         terms = stack_terms([gradient_terms(m.hooks) for m in members])
+        self._vectors = None  # the previous fit's rows: not kept alive beside this fit's
         fm.model.train()  # as LocalTrainer.fit: BatchNorm uses batch statistics and updates its buffers
 
         plan = _Schedule.of(members, cfg)
