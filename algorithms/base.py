@@ -196,12 +196,12 @@ class FedAvgCohort:
         if ok:
             n = [float(self.datas[i].num_samples) for i in ok]
             total = self.cohort.weighted_sum([self.results[i] for i in ok], n)
-            starts: dict[int, tuple[torch.Tensor, float]] = {}  # id(start) -> (start, its clients' summed n)
-            for i, weight in zip(ok, n):
-                start = self.plans[i].start
-                starts[id(start)] = (start, starts.get(id(start), (start, 0.0))[1] + weight)
-            for start, weight in starts.values():
-                total.sub_(start.to(torch.float64), alpha=weight)
+            first = self.plans[ok[0]].start
+            if all(self.plans[i].start is first for i in ok):  # the broadcast weights, as a rule
+                total.sub_(first.to(torch.float64), alpha=sum(n))
+            else:
+                for i, weight in zip(ok, n):
+                    total.sub_(self.plans[i].start.to(torch.float64), alpha=weight)
             agg.add({"delta": total}, {"n": sum(n)}, count=len(ok))
         for data, res in zip(self.datas, self.results):
             if res.error is not None:

@@ -214,15 +214,14 @@ class Worker:
                 state, _ = self.uplink.split_state(state)
             states.append(state)
         datas = [self.client_data(cid) for cid in cids]
-        self._pending = None  # the previous chunk's results: freed before this chunk trains
+        self._pending, self._summed = None, False  # the previous chunk's results: freed before this chunk trains
         try:
             outcome = self.client.train_cohort(ctx, cids, bc, states, datas, self.trainer, self.cohort)
         except NotVectorisable as err:
             if str(err) not in _SEQUENTIAL_REASONS:  # one line per reason and process
                 _SEQUENTIAL_REASONS.add(str(err))
                 log.warning("engine.cohort_size=%s: clients train one by one: %s", self.setup.cohort_size, err)
-            self.cohort = self._pending = None
-            self._summed = False
+            self.cohort = None
             return time.perf_counter() - t0
         # Summed at once when nothing needs each client's tensors (no list mode, no compression).
         self._summed = self.summable and self.uplink is None and isinstance(outcome, FedAvgCohort)
@@ -263,12 +262,11 @@ class Worker:
         acc.bytes_up += update.bytes_up
         acc.client_stats[update.client_id] = client_stat(update, self.setup.train)
         acc.metrics.merge(update.metrics)
-        if self.summable:
-            if not self._summed:
-                acc.aggregate.add_update(update)
-        else:
+        if not self.summable:
             update.tensors = {k: v.detach().to("cpu") for k, v in update.tensors.items()}
             acc.updates.append(update)
+        elif not self._summed:  # (a chunk summed at once is in the aggregate already)
+            acc.aggregate.add_update(update)
 
     def _inject_fault(self, ctx: RoundContext, cid: int) -> None:
         """TEST ONLY (``engine.fault_injection``): die like an OOM-killed process, without cleanup."""

@@ -257,11 +257,10 @@ class CohortTrainer:
         k, d = vectors.shape if vectors is not None else (0, 0)
         if vectors is None or any(r.vector._base is not vectors or not 0 <= r.row < k for r in results):
             raise ValueError("weighted_sum takes results of this trainer's last fit only")
-        w = torch.zeros(k, dtype=torch.float64, device=vectors.device)
-        w[torch.tensor([r.row for r in results], dtype=torch.long, device=vectors.device)] = torch.tensor(
-            [float(x) for x in weights], dtype=torch.float64, device=vectors.device)
-        skip = torch.ones(k, dtype=torch.bool)
-        skip[[r.row for r in results]] = False
+        w = torch.zeros(k, dtype=torch.float64)
+        w[[r.row for r in results]] = torch.tensor([float(x) for x in weights], dtype=torch.float64)
+        skip = w == 0  # on the host: no device sync per block; a zero-weight row adds nothing anyway
+        w = w.to(vectors.device)
         total = torch.zeros(d, dtype=torch.float64, device=vectors.device)
         step = max(1, min(k, 2**20 // max(d, 1)))
         block = torch.empty(step, d, dtype=torch.float64, device=vectors.device)
