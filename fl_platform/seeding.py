@@ -25,16 +25,59 @@ class Stream(enum.IntEnum):
     FAULT = 7
 
 
-def derive_seed(seed: int, *keys: int) -> int:
-    """A 63-bit seed that is a pure function of ``seed`` and the integer ``keys``."""
-    ss = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, *(int(k) & 0xFFFFFFFF for k in keys)])
-    return int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
-
-
-# numpy's SeedSequence hash constants (numpy/random/bit_generator.pyx), for ``derive_seeds``.
+# numpy's SeedSequence hash constants (numpy/random/bit_generator.pyx).
 _INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
 _MIX_L, _MIX_R, _MASK = 0xCA01F9DD, 0x4973F715, 0xFFFFFFFF
 _POOL = 4
+
+
+def _hash_constants(count: int, init: int, mult: int) -> list[tuple[int, int]]:
+    """(xor, multiply) constants of successive hash calls: SeedSequence's hash constant evolves the
+    same way whatever the data, so it can be tabulated once."""
+    out = []
+    for _ in range(count):
+        nxt = init * mult & _MASK
+        out.append((init, nxt))
+        init = nxt
+    return out
+
+
+_MAX_WORDS = 16  # derive_seed's tables cover up to 16 words; longer inputs take the general path
+_HASH_A = _hash_constants(_POOL + _POOL * (_POOL - 1) + _POOL * (_MAX_WORDS - _POOL), _INIT_A, _MULT_A)
+_HASH_B = _hash_constants(2, _INIT_B, _MULT_B)
+
+
+def derive_seed(seed: int, *keys: int) -> int:
+    """A 63-bit seed that is a pure function of ``seed`` and the integer ``keys``.
+
+    Equal to ``SeedSequence([seed, *keys] mod 2**32).generate_state(1, uint64) >> 1`` (tested),
+    evaluated with Python integers and tabulated hash constants: about 4 us instead of
+    SeedSequence's 10, paid twice per client by the training loop (its shuffle and torch's RNG).
+    """
+    words = [int(seed) & _MASK, *(int(k) & _MASK for k in keys)]
+    if len(words) > _MAX_WORDS:
+        return int(derive_seeds(seed, *keys)[0])
+    words += [0] * (_POOL - len(words))
+    pool = []
+    for w, (xor, mult) in zip(words, _HASH_A):  # the first _POOL words fill the pool
+        w = (w ^ xor) * mult & _MASK
+        pool.append(w ^ w >> 16)
+    consts = iter(_HASH_A[_POOL:])
+    for src in range(_POOL):  # every pool entry mixed into every other...
+        for dst in range(_POOL):
+            if src != dst:
+                xor, mult = next(consts)
+                v = (pool[src] ^ xor) * mult & _MASK
+                r = (_MIX_L * pool[dst] - _MIX_R * (v ^ v >> 16)) & _MASK
+                pool[dst] = r ^ r >> 16
+    for w in words[_POOL:]:  # ...then each further word into every entry
+        for dst in range(_POOL):
+            xor, mult = next(consts)
+            v = (w ^ xor) * mult & _MASK
+            r = (_MIX_L * pool[dst] - _MIX_R * (v ^ v >> 16)) & _MASK
+            pool[dst] = r ^ r >> 16
+    lo, hi = ((v ^ xor) * mult & _MASK for v, (xor, mult) in zip(pool, _HASH_B))
+    return ((hi ^ hi >> 16) << 32 | (lo ^ lo >> 16)) >> 1
 
 
 def derive_seeds(seed: int, *keys: int | np.ndarray) -> np.ndarray:

@@ -60,6 +60,9 @@ class FlatModel:
             p.grad = self.grad[offset : offset + n].view_as(p)
             self.slots.append(Slot(name, offset, tuple(p.shape), True))
             offset += n
+        self._params = [p for _, p in params]  # in slot order
+        self._modules = list(model.modules())
+        self._ranges: tuple[tuple[bool, ...], list[tuple[int, int]]] | None = None
         modules = dict(model.named_modules())
         for name, b in buffers:
             n = b.numel()
@@ -84,12 +87,26 @@ class FlatModel:
     def load(self, vector: torch.Tensor) -> None:
         self.vector.copy_(vector)
 
+    def train_mode(self) -> None:
+        """``model.train()``, skipped when every module already trains (it walks the whole tree:
+        15 us per client for a 3-layer MLP)."""
+        if not all(m.training for m in self._modules):
+            self.model.train()
+
     def trainable_ranges(self) -> list[tuple[int, int]]:
-        """Contiguous [start, end) ranges of parameters with ``requires_grad`` (frozen ones excluded)."""
+        """Contiguous [start, end) ranges of parameters with ``requires_grad`` (frozen ones excluded).
+
+        Cached on the parameters' ``requires_grad`` flags (asked once per client)."""
+        key = tuple(p.requires_grad for p in self._params)
+        if self._ranges is None or self._ranges[0] != key:
+            self._ranges = key, self._compute_ranges(key)
+        return list(self._ranges[1])
+
+    def _compute_ranges(self, trainable: tuple[bool, ...]) -> list[tuple[int, int]]:
         ranges: list[tuple[int, int]] = []
-        named = dict(self.model.named_parameters())
+        flags = iter(trainable)
         for slot in self.slots:
-            if not slot.is_param or not named[slot.name].requires_grad:
+            if not slot.is_param or not next(flags):
                 continue
             start, end = slot.offset, slot.offset + slot.numel
             if ranges and ranges[-1][1] == start:

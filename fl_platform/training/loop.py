@@ -89,7 +89,7 @@ class LocalTrainer:
         hooks = hooks or TrainHooks()
         fm = self.fm
         model = fm.model
-        model.train()
+        fm.train_mode()
         ranges = fm.trainable_ranges()
         opts = [(r, self._optimizer_for(r)) for r in ranges]
         for _, opt in opts:

@@ -166,7 +166,7 @@ class CohortTrainer:
             raise NotVectorisable(reason)
         terms = stack_terms([gradient_terms(m.hooks) for m in members])
         self._vectors = None  # the previous fit's rows: not kept alive beside this fit's
-        fm.model.train()  # as LocalTrainer.fit: BatchNorm uses batch statistics and updates its buffers
+        fm.train_mode()  # as LocalTrainer.fit: BatchNorm uses batch statistics and updates its buffers
 
         plan = _Schedule.of(members, cfg)
         ordered = [members[int(i)] for i in plan.order]
