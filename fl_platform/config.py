@@ -200,6 +200,7 @@ class EngineConf:
     max_restarts: int = 3  # ray: a dead worker is restarted (and its clients rerun) at most this often per round
     scheduler_smoothing: float = 0.5  # weight of the newest round in each worker's runtime estimate
     compiled_graph: bool = True  # ray: small-broadcast rounds through a Ray compiled graph (docs/engine.md)
+    server_in_worker: bool = True  # ray, 1 worker, no client state: the worker runs whole rounds, many per call
     address: str | None = None  # ray: an existing cluster to join ("auto"); None starts a local one
     fault_injection: FaultInjectionConf = field(default_factory=FaultInjectionConf)
     # Clients a worker trains at once, vectorised (docs/vectorised.md): 1 = one by one; "auto" = as

@@ -187,7 +187,8 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
 RESUME_FREE_KEYS = ("resume", "checkpoint_every", "logger.", "eval_batch_size", "engine.name", "engine.num_workers",
                     "engine.device", "engine.cpus_per_worker", "engine.gpus_per_worker", "engine.threads_per_worker",
                     "engine.max_restarts", "engine.scheduler_smoothing", "engine.address", "engine.fault_injection",
-                    "engine.state_cache_mb", "engine.cohort_size", "engine.compiled_graph")
+                    "engine.state_cache_mb", "engine.cohort_size", "engine.compiled_graph",
+                    "engine.server_in_worker")
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:

@@ -79,3 +79,40 @@ def test_scaffold_inline_vs_ray_2_workers(ray_session, store):
     ref = run("algorithm=scaffold")
     assert_same(ref, run("algorithm=scaffold", "engine=ray", "engine.num_workers=2",
                          f"engine.state_store={store}"))
+
+
+@pytest.mark.ray
+def test_ray_one_worker_hosts_the_rounds_between_checkpoints(ray_session, tmp_path):
+    """One stateless Ray worker runs the rounds itself, server step and evaluation included, one call
+    per checkpoint interval; the model, the metrics and the server's momentum equal inline's."""
+    common = ("algorithm=fedavg", "algorithm.server_momentum=0.9", "rounds=5", "eval_every=2", "checkpoint_every=2")
+    ref = run(*common, "engine=inline")
+
+    def ray_run(hosted: bool):
+        exp = build(compose_config(*COMMON, *common, "engine=ray", "engine.num_workers=1",
+                                   f"engine.server_in_worker={str(hosted).lower()}"), tmp_path / str(hosted))
+        try:
+            exp.simulation.run()
+            assert exp.engine.hosts_rounds() is hosted
+            assert exp.engine.hosted_calls == (3 if hosted else 0)  # rounds 1-2, 3-4, 5
+        finally:
+            exp.engine.close()
+        rows = [{k: v for k, v in row.items() if not is_timing_key(k)} for row in exp.simulation.history]
+        assert [("test_accuracy" in row) for row in rows] == [False, True, False, True, True]
+        walls = [row["wall_time_s"] for row in exp.simulation.history]
+        assert walls == sorted(walls)
+        return exp.simulation.server.weights.clone(), rows, exp.simulation.server.velocity.clone()
+
+    hosted, per_round = ray_run(True), ray_run(False)
+    assert_same(ref, hosted[:2])
+    assert_same(ref, per_round[:2])
+    assert torch.equal(hosted[2], per_round[2])  # server state beyond the weights travels back too
+
+
+@pytest.mark.ray
+def test_ray_one_worker_with_client_state_keeps_rounds_on_the_driver(ray_session):
+    exp = build(compose_config(*COMMON, "algorithm=scaffold", "engine=ray", "engine.num_workers=1"))
+    try:
+        assert not exp.engine.hosts_rounds()  # a worker crash would lose client state written mid-call
+    finally:
+        exp.engine.close()

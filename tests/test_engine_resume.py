@@ -114,3 +114,39 @@ def test_ray_distributed_state_resumes_in_process(ray_session, tmp_path):
     summary = run_experiment(compose_config(*common), tmp_path / "run")
     assert summary["final_test_accuracy"] == reference["final_test_accuracy"]
     assert metric_rows(tmp_path / "run") == metric_rows(tmp_path / "ref")
+
+
+class _StopAfter:
+    """A reporter that interrupts the run once it has logged ``rounds`` rows (like Ctrl-C)."""
+
+    def __init__(self, rounds: int) -> None:
+        self.rounds, self.seen = rounds, 0
+
+    def round_done(self, row: dict) -> None:
+        self.seen += 1
+        if self.seen == self.rounds:
+            raise KeyboardInterrupt
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.ray
+def test_ray_hosted_rounds_resume_exactly(ray_session, tmp_path):
+    """One Ray worker running rounds 3-4 in one call is interrupted after logging round 3: the resumed
+    run drops that row, reruns from the checkpoint of round 2 and ends equal to an uninterrupted run."""
+    base = ("algorithm=fedavg", "algorithm.server_momentum=0.9", "rounds=5", "checkpoint_every=2",
+            "train.epochs=1", "clients_per_round=12", "engine.threads_per_worker=1")
+    reference = run_experiment(compose_config(*base, "engine=inline"), tmp_path / "ref")
+    common = (*base, "engine=ray", "engine.num_workers=1")
+    exp = build(compose_config(*common), tmp_path / "run", reporter=_StopAfter(3))
+    try:
+        assert exp.engine.hosts_rounds()
+        with pytest.raises(KeyboardInterrupt):
+            exp.simulation.run()
+    finally:
+        exp.engine.close()
+    assert len(metric_rows(tmp_path / "run")) == 3
+    summary = run_experiment(compose_config(*common), tmp_path / "run")
+    assert summary["final_test_accuracy"] == reference["final_test_accuracy"]
+    assert metric_rows(tmp_path / "run") == metric_rows(tmp_path / "ref")

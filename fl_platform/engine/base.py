@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fl_platform.core import Broadcast, RoundContext
 from fl_platform.engine.worker import WorkerResult
+
+if TYPE_CHECKING:
+    from fl_platform.engine.simulation import LoopConfig
 
 
 class Engine(ABC):
@@ -16,6 +19,16 @@ class Engine(ABC):
     @abstractmethod
     def run_round(self, ctx: RoundContext, broadcast: Broadcast) -> list[WorkerResult]:
         """Train ``ctx.clients``; results are returned in worker-id order."""
+
+    def hosts_rounds(self) -> bool:
+        """Whether ``run_rounds`` runs whole rounds, server step included, on a worker."""
+        return False
+
+    def run_rounds(self, loop: LoopConfig, start: int, stop: int,
+                   server_state: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Rounds ``start..stop-1`` (or fewer, at least one) from ``server_state``, on a worker that
+        runs the round loop itself: (their metrics rows, the server's state after the last)."""
+        raise NotImplementedError(f"{type(self).__name__} runs one round at a time (hosts_rounds() is False)")
 
     def round_stats(self) -> dict[str, float]:
         """Scheduling statistics of the last round (predicted vs actual makespan, balance)."""

@@ -51,6 +51,7 @@ import torch
 
 from fl_platform.core import Broadcast, RoundContext
 from fl_platform.engine.base import Engine
+from fl_platform.engine.hosted import HostedLoop, RoundsCall
 from fl_platform.engine.scheduler import Plan, Scheduler
 from fl_platform.engine.setup import ExperimentSetup
 from fl_platform.engine.worker import Worker, WorkerOptions, WorkerResult
@@ -123,6 +124,16 @@ class RayWorker(Worker):
         """The compiled graph's entry point: every actor reads the same input and takes its own clients."""
         ctx, broadcast, assignment = call
         return self.run_round(ctx, broadcast, assignment[self.worker_id])
+
+    def host_rounds(self) -> None:
+        """Build the server half and round loop that ``run_rounds`` uses (part of start-up)."""
+        if getattr(self, "_hosted", None) is None:
+            self._hosted = HostedLoop(self)
+
+    def run_rounds(self, call: Any) -> Any:
+        """Whole rounds, server step included (``engine/hosted.py``): a ``RoundsResult``."""
+        self.host_rounds()
+        return self._hosted.run(call)
 
 
 def _conf(cfg: Any, key: str, default: Any = None) -> Any:
@@ -211,6 +222,11 @@ class RayEngine(Engine):
                                    smoothing=float(_conf(cfg, "scheduler_smoothing", 0.5)))
         self._stats: dict[str, Any] = {}
         self.restarts = 0
+        # One stateless worker runs whole rounds itself, many per call (engine/hosted.py).
+        self.server_in_worker = bool(_conf(cfg, "server_in_worker", True)) and num_workers == 1 and not self.stateful
+        self.hosted_calls = 0
+        if self.server_in_worker:
+            ray.get(self.actors[0].host_rounds.remote())
 
     # ------------------------------------------------------------------ actors
 
@@ -292,6 +308,29 @@ class RayEngine(Engine):
         self._stats = self.scheduler.record(plan, [r.client_seconds for r in done], [r.busy_seconds for r in done])
         self._stats["sched_engine_s"] = time.perf_counter() - t0
         return done
+
+    def hosts_rounds(self) -> bool:
+        return self.server_in_worker
+
+    def run_rounds(self, loop: Any, start: int, stop: int,
+                   server_state: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        ray = self._ray
+        call = RoundsCall(loop, start, stop, server_state, self.scheduler.state_dict())
+        for attempt in range(self.max_restarts + 1):
+            try:
+                out = ray.get(self.actors[0].run_rounds.remote(call))
+                break
+            except ray.exceptions.RayActorError:
+                if attempt == self.max_restarts:
+                    raise RuntimeError(f"rounds {start + 1}..{stop}: Ray worker 0 kept failing after "
+                                       f"{self.max_restarts} restarts (engine.max_restarts)") from None
+                # Every call starts from the driver's server state: the rerun equals the lost call.
+                self._restart(0, f"in the call for rounds {start + 1}..{stop}, rerun from round {start + 1}")
+            except ray.exceptions.RayTaskError as err:
+                raise err.as_instanceof_cause() from None
+        self.hosted_calls += 1
+        self.scheduler.load_state_dict(out.scheduler)
+        return out.rows, out.server
 
     def _compiled_round(self, ctx: RoundContext, broadcast: Broadcast, plan: Plan) -> list[WorkerResult] | None:
         """Every worker's result through the compiled graph, or None when an actor died (the graph is
