@@ -199,7 +199,9 @@ class EngineConf:
     nonfinite: NonFinitePolicy = NonFinitePolicy.fail
     max_restarts: int = 3  # ray: a dead worker is restarted (and its clients rerun) at most this often per round
     scheduler_smoothing: float = 0.5  # weight of the newest round in each worker's runtime estimate
-    compiled_graph: bool = True  # ray: small-broadcast rounds through a Ray compiled graph (docs/engine.md)
+    # ray: small-broadcast rounds through a Ray compiled graph (docs/engine.md); auto = when Ray has
+    # a CPU beyond the workers' for the driver, which spins on the graph's channels
+    compiled_graph: Any = "auto"
     server_in_worker: bool = True  # ray, 1 worker, no client state: the worker runs whole rounds, many per call
     address: str | None = None  # ray: an existing cluster to join ("auto"); None starts a local one
     fault_injection: FaultInjectionConf = field(default_factory=FaultInjectionConf)

@@ -64,6 +64,8 @@ def validate(cfg: DictConfig) -> None:
         (engine.state_backend in ("memory", "disk"), "engine.state_backend",
          f"must be memory or disk; got {engine.state_backend!r}"),
         (engine.max_restarts >= 0, "engine.max_restarts", f"must be >= 0, got {engine.max_restarts}"),
+        (engine.compiled_graph in ("auto", True, False), "engine.compiled_graph",
+         f"must be auto, true or false; got {engine.compiled_graph!r}"),
         (engine.fault_injection.client is None or enum_value(engine.name) == "ray", "engine.fault_injection",
          "is a test-only fault for Ray workers; it needs engine=ray"),
     ]

@@ -116,3 +116,20 @@ def test_ray_one_worker_with_client_state_keeps_rounds_on_the_driver(ray_session
         assert not exp.engine.hosts_rounds()  # a worker crash would lose client state written mid-call
     finally:
         exp.engine.close()
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("workers, hosted, compiled", [(2, False, False), (1, False, True)])
+def test_compiled_graph_auto_leaves_the_driver_a_core(ray_session, workers, hosted, compiled):
+    """auto: the graph only when Ray has a CPU beyond the workers' (the session's Ray has 2)."""
+    exp = build(compose_config(*COMMON, "engine=ray", f"engine.num_workers={workers}",
+                               f"engine.server_in_worker={str(hosted).lower()}"))
+    try:
+        assert exp.engine.compiled is compiled
+    finally:
+        exp.engine.close()
+
+
+def test_compiled_graph_setting_is_checked():
+    with pytest.raises(ValueError, match=r"engine\.compiled_graph must be auto, true or false"):
+        build(compose_config(*COMMON, "engine.compiled_graph=sometimes"))

@@ -40,7 +40,7 @@ def test_worker_killed_mid_round_does_not_change_the_result(ray_session, overrid
     # Fault-free reference: inline (equal to Ray's fault-free result, see test_engine_determinism).
     clean = run(*overrides)
     with caplog.at_level("WARNING", logger="fl_platform.engine.ray_engine"):
-        faulty = run("engine=ray", "engine.num_workers=2", *overrides,
+        faulty = run("engine=ray", "engine.num_workers=2", "engine.compiled_graph=true", *overrides,
                      f"engine.fault_injection.client={victim}", "engine.fault_injection.round=2")
     assert faulty.engine.restarts == 1
     messages = [r.getMessage() for r in caplog.records]
