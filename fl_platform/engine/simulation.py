@@ -5,6 +5,10 @@ the clients on its workers, reduce the partial aggregates in worker-id order, ap
 algorithm's server step, evaluate every ``eval_every`` rounds, log one metrics row, and
 checkpoint every ``checkpoint_every`` rounds (``fl_platform/engine/checkpoint.py``).
 
+With one stateless Ray worker the engine hosts the rounds (``engine/hosted.py``): this same
+``run_round`` executes on the worker, several rounds per call, and ``run`` logs and checkpoints
+the rows it hands back.
+
 Metrics rows mix results (identical for every engine, worker count and resume) with timing and
 scheduling fields (``is_timing_key``), which naturally differ between runs.
 """
