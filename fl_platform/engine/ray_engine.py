@@ -56,9 +56,10 @@ import torch
 
 from fl_platform.core import Broadcast, RoundContext
 from fl_platform.engine.base import Engine
-from fl_platform.engine.hosted import HostedLoop, RoundsCall
+from fl_platform.engine.hosted import HostedLoop, RoundsCall, RoundsResult
 from fl_platform.engine.scheduler import Plan, Scheduler
 from fl_platform.engine.setup import ExperimentSetup
+from fl_platform.engine.simulation import LoopConfig
 from fl_platform.engine.worker import Worker, WorkerOptions, WorkerResult
 from fl_platform.state.distributed import home_worker, lending_plan
 from fl_platform.state.store import State
@@ -135,8 +136,8 @@ class RayWorker(Worker):
         if getattr(self, "_hosted", None) is None:
             self._hosted = HostedLoop(self)
 
-    def run_rounds(self, call: Any) -> Any:
-        """Whole rounds, server step included (``engine/hosted.py``): a ``RoundsResult``."""
+    def run_rounds(self, call: RoundsCall) -> RoundsResult:
+        """Whole rounds, server step included (``engine/hosted.py``)."""
         self.host_rounds()
         return self._hosted.run(call)
 
@@ -320,7 +321,7 @@ class RayEngine(Engine):
     def hosts_rounds(self) -> bool:
         return self.server_in_worker
 
-    def run_rounds(self, loop: Any, start: int, stop: int,
+    def run_rounds(self, loop: LoopConfig, start: int, stop: int,
                    server_state: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         ray = self._ray
         call = RoundsCall(loop, start, stop, server_state, self.scheduler.state_dict())
