@@ -1,7 +1,8 @@
 """Rounds hosted by the one Ray worker: the server step runs in the worker, many rounds per call.
 
-With a single worker and no client state, a round is a function of the server's state at its
-start, so nothing requires the driver between rounds. Sending (context, broadcast, plan) to the
+With a single worker, no client state and a server that sums contributions (a light step), a
+round is a function of the server's state at its start, so nothing requires the driver between
+rounds. Sending (context, broadcast, plan) to the
 actor and its partial aggregate back costs about 1 ms per round even through a compiled graph,
 a fifth of a 100-clients/10-per-round round. So ``RayEngine`` with one worker
 (``engine.server_in_worker``, default on) asks the actor for up to about a second of rounds per

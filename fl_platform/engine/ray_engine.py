@@ -29,8 +29,8 @@ actors poll their channels (about a quarter of a core each while the driver work
 rounds), and the driver spins on them while the workers train, so with no CPU to spare it slows
 the workers down; ``engine.compiled_graph=false`` turns it off, ``true`` forces it.
 
-One stateless worker (``engine.server_in_worker``) runs whole rounds itself, many per call: see
-``engine/hosted.py``.
+One worker without client state and with a summing server (``engine.server_in_worker``) runs
+whole rounds itself, many per call: see ``engine/hosted.py``.
 
 Faults: when an actor dies (crash, OOM kill, ``os._exit``), the engine starts a new actor for the
 same worker id and reruns that worker's clients with the same broadcast; since states are staged
@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fl_platform.algorithms.registry import get_algorithm
 from fl_platform.core import Broadcast, RoundContext
 from fl_platform.engine.base import Engine
 from fl_platform.engine.hosted import HostedLoop, RoundsCall, RoundsResult
@@ -231,8 +232,11 @@ class RayEngine(Engine):
                                    smoothing=float(_conf(cfg, "scheduler_smoothing", 0.5)))
         self._stats: dict[str, Any] = {}
         self.restarts = 0
-        # One stateless worker runs whole rounds itself, many per call (engine/hosted.py).
-        self.server_in_worker = bool(_conf(cfg, "server_in_worker", True)) and num_workers == 1 and not self.stateful
+        # One stateless worker runs whole rounds itself, many per call (engine/hosted.py). List-mode
+        # servers (one-shot ensembles and distillation, FuseFL) keep their heavy server step on the
+        # driver, with its threads rather than the worker's.
+        self.server_in_worker = (bool(_conf(cfg, "server_in_worker", True)) and num_workers == 1
+                                 and not self.stateful and get_algorithm(setup.algorithm).server.summable)
         self.hosted_calls = 0
         if self.server_in_worker:
             ray.get(self.actors[0].host_rounds.remote())
