@@ -136,3 +136,16 @@ def test_compiled_graph_auto_leaves_the_driver_a_core(ray_session, workers, host
 def test_compiled_graph_setting_is_checked():
     with pytest.raises(ValueError, match=r"engine\.compiled_graph must be auto, true or false"):
         build(compose_config(*COMMON, "engine.compiled_graph=sometimes"))
+
+
+def test_rounds_on_the_worker_evaluate_with_the_drivers_threads(monkeypatch):
+    from fl_platform.engine.hosted import _WorkerSimulation
+    from fl_platform.engine.simulation import Simulation
+
+    seen: list[int] = []
+    monkeypatch.setattr(Simulation, "evaluate", lambda self: seen.append(torch.get_num_threads()) or {})
+    own = torch.get_num_threads()
+    sim = object.__new__(_WorkerSimulation)  # only its evaluate() is under test
+    sim.eval_threads = own + 1
+    sim.evaluate()
+    assert seen == [own + 1] and torch.get_num_threads() == own  # the worker's training threads come back

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from fl_platform.engine.inline import InlineEngine
 from fl_platform.engine.simulation import LoopConfig, Simulation
 from fl_platform.engine.worker import Worker
@@ -37,6 +39,7 @@ class RoundsCall:
     server: dict[str, Any]
     scheduler: dict[str, Any]
     max_seconds: float = CALL_SECONDS
+    eval_threads: int = 0  # the driver's torch threads (0: the worker's own), for evaluation
 
 
 @dataclass
@@ -44,6 +47,23 @@ class RoundsResult:
     rows: list[dict[str, Any]]
     server: dict[str, Any]
     scheduler: dict[str, Any]
+
+
+class _WorkerSimulation(Simulation):
+    """Evaluates with the driver's torch threads: the driver idles during the call, and on the
+    per-round path it would have evaluated with them (the worker trains with its own few)."""
+
+    eval_threads = 0
+
+    def evaluate(self) -> dict[str, float]:
+        own = torch.get_num_threads()
+        if self.eval_threads < 1 or self.eval_threads == own:
+            return super().evaluate()
+        torch.set_num_threads(self.eval_threads)
+        try:
+            return super().evaluate()
+        finally:
+            torch.set_num_threads(own)
 
 
 class HostedLoop:
@@ -61,12 +81,13 @@ class HostedLoop:
         self.engine = InlineEngine(setup, workers=[worker])
         self.data = worker.data
         self.system = setup.system
-        self.sim: Simulation | None = None
+        self.sim: _WorkerSimulation | None = None
 
     def run(self, call: RoundsCall) -> RoundsResult:
         if self.sim is None or self.sim.loop != call.loop:
-            self.sim = Simulation(call.loop, self.data, self.server, self.engine, self.eval_model)
+            self.sim = _WorkerSimulation(call.loop, self.data, self.server, self.engine, self.eval_model)
             self.sim.system = self.system
+        self.sim.eval_threads = call.eval_threads
         self.server.load_state_dict(call.server)
         self.engine.load_state_dict({"scheduler": call.scheduler})
         rows = []

@@ -328,7 +328,8 @@ class RayEngine(Engine):
     def run_rounds(self, loop: LoopConfig, start: int, stop: int,
                    server_state: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         ray = self._ray
-        call = RoundsCall(loop, start, stop, server_state, self.scheduler.state_dict())
+        call = RoundsCall(loop, start, stop, server_state, self.scheduler.state_dict(),
+                          eval_threads=torch.get_num_threads())
         for attempt in range(self.max_restarts + 1):
             try:
                 out = ray.get(self.actors[0].run_rounds.remote(call))
