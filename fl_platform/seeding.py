@@ -42,9 +42,15 @@ def _hash_constants(count: int, init: int, mult: int) -> list[tuple[int, int]]:
     return out
 
 
+def _mixing_constants(n_words: int) -> list[tuple[int, int]]:
+    """Constants of the mixing hash calls for ``n_words`` words: one per pool entry, one per ordered
+    pair of entries, then one per (further word, entry)."""
+    return _hash_constants(_POOL * _POOL + _POOL * max(0, n_words - _POOL), _INIT_A, _MULT_A)
+
+
 _MAX_WORDS = 16  # derive_seed's tables cover up to 16 words; longer inputs take the general path
-_HASH_A = _hash_constants(_POOL + _POOL * (_POOL - 1) + _POOL * (_MAX_WORDS - _POOL), _INIT_A, _MULT_A)
-_HASH_B = _hash_constants(2, _INIT_B, _MULT_B)
+_HASH_A = _mixing_constants(_MAX_WORDS)
+_HASH_B = _hash_constants(2, _INIT_B, _MULT_B)  # the two output words
 
 
 def derive_seed(seed: int, *keys: int) -> int:
@@ -90,12 +96,11 @@ def derive_seeds(seed: int, *keys: int | np.ndarray) -> np.ndarray:
     words = np.broadcast_arrays(*(np.atleast_1d(np.asarray(k, dtype=np.int64)).astype(np.uint64) & np.uint64(_MASK)
                                   for k in (seed, *keys)))
     shape = words[0].shape
-    mult = _INIT_A
+    consts = iter(_mixing_constants(len(words)))
 
     def hashmix(value: np.ndarray) -> np.ndarray:
-        nonlocal mult
-        value = (value ^ np.uint64(mult)) * np.uint64(mult * _MULT_A & _MASK) & np.uint64(_MASK)
-        mult = mult * _MULT_A & _MASK
+        xor, mult = next(consts)
+        value = (value ^ np.uint64(xor)) * np.uint64(mult) & np.uint64(_MASK)
         return value ^ (value >> np.uint64(16))
 
     def mix(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -110,10 +115,9 @@ def derive_seeds(seed: int, *keys: int | np.ndarray) -> np.ndarray:
     for src in range(_POOL, len(words)):
         for dst in range(_POOL):
             pool[dst] = mix(pool[dst], hashmix(words[src]))
-    out, mult_b = [], _INIT_B
-    for i in range(2):  # two 32-bit words make the uint64 state
-        v = (pool[i] ^ np.uint64(mult_b)) * np.uint64(mult_b * _MULT_B & _MASK) & np.uint64(_MASK)
-        mult_b = mult_b * _MULT_B & _MASK
+    out = []
+    for v, (xor, mult) in zip(pool, _HASH_B):  # two 32-bit words make the uint64 state
+        v = (v ^ np.uint64(xor)) * np.uint64(mult) & np.uint64(_MASK)
         out.append(v ^ (v >> np.uint64(16)))
     return ((out[1] << np.uint64(32) | out[0]) >> np.uint64(1)).astype(np.int64)
 

@@ -112,6 +112,7 @@ class RayWorker(Worker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         use_fast_tensor_transport()
         super().__init__(*args, **kwargs)
+        self._hosted: HostedLoop | None = None  # built by host_rounds when the engine hands it whole rounds
 
     def run_round_split(self, ctx: RoundContext, broadcast: Broadcast, client_ids: list[int],
                         *foreign: dict[int, State | None]) -> tuple[Any, ...]:
@@ -134,12 +135,13 @@ class RayWorker(Worker):
 
     def host_rounds(self) -> None:
         """Build the server half and round loop that ``run_rounds`` uses (part of start-up)."""
-        if getattr(self, "_hosted", None) is None:
+        if self._hosted is None:
             self._hosted = HostedLoop(self)
 
     def run_rounds(self, call: RoundsCall) -> RoundsResult:
         """Whole rounds, server step included (``engine/hosted.py``)."""
         self.host_rounds()
+        assert self._hosted is not None
         return self._hosted.run(call)
 
 
