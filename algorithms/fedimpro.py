@@ -20,8 +20,9 @@ statistics from the detached real features and uploads them next to the FedAvg d
 Both are plain sums, so hierarchical aggregation is exact and no client state is needed.
 Deliberate corrections of the reference code (each reference behaviour is a flag, see
 docs/algorithms/fedimpro.md): statistics are the exact per-class mean/std of every real feature
-of the round (the reference's running weight ``min(1, D/5000)`` is 1 for any D >= 5000, i.e. the
-last minibatch's statistics: ``stats_update=last_batch``); sampling uses the broadcast global
+of the round (the reference keeps a running average with weight ``a = min(1, D/5000)`` per
+minibatch, D the feature dimension: ``stats_update=last_batch``; for D >= 5000 that is the last
+minibatch's statistics); sampling uses the broadcast global
 statistics for the whole round (the reference samples from its drifting local copy:
 ``sample_from=local``); ``sigma_max`` bounds the std used for sampling rather than the stored
 estimates (the reference clips stored stds, which also bounds the sampled std by ``sigma_max``
@@ -145,8 +146,12 @@ class ClassStats:
     """A client's per-class feature statistics for one round, starting from the global ones.
 
     ``exact`` accumulates float64 sums of ``h`` and ``h^2`` per class over every real feature of
-    the round. ``last_batch`` keeps, per class, the mean and (unbiased) std of the last minibatch
-    containing it, the std clipped at ``sigma_max`` after every update (the reference).
+    the round. ``last_batch`` is the reference's running average: for each class in a minibatch,
+    ``mu <- (1 - a) mu + a m`` and ``sigma <- (1 - a) sigma + a s`` (``m``, ``s``: the class's mean and
+    unbiased std in the minibatch; ``sigma`` kept where the class has one sample), with
+    ``a = min(1, D / 5000)`` (the reference divides the feature dimension D, not a sample count, by
+    5000: for D >= 5000 the last minibatch's statistics), the std clipped at ``sigma_max`` after every
+    update.
     """
 
     def __init__(self, mode: str, global_mu: torch.Tensor, global_sigma: torch.Tensor,
@@ -163,6 +168,7 @@ class ClassStats:
         if mode == "last_batch":
             self.mu = global_mu.clone()
             self.sigma = global_sigma.clone()
+            self.momentum = min(1.0, d / 5000)  # the reference's ``min(1, size(0) / 5000)`` on a D-vector
 
     @torch.no_grad()
     def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
@@ -177,14 +183,16 @@ class ClassStats:
         else:
             s = torch.zeros_like(self.sum).index_add_(0, y, h)
             sq = torch.zeros_like(self.sumsq).index_add_(0, y, h * h)
+            a = self.momentum
             present = n > 0
             mean = s[present] / n[present, None]
-            self.mu[present] = mean.to(self.mu.dtype)
+            self.mu[present] = ((1 - a) * self.mu[present].to(torch.float64) + a * mean).to(self.mu.dtype)
             multi = n >= 2  # the std of one sample is NaN in the reference and skipped
             if bool(multi.any()):
                 nm = n[multi, None]
                 var = ((sq[multi] - nm * (s[multi] / nm) ** 2) / (nm - 1)).clamp_min(0)
-                self.sigma[multi] = var.sqrt().to(self.sigma.dtype)
+                old = self.sigma[multi].to(torch.float64)
+                self.sigma[multi] = ((1 - a) * old + a * var.sqrt()).to(self.sigma.dtype)
             if self.sigma_max is not None:
                 self.sigma.clamp_(max=self.sigma_max)
 

@@ -90,10 +90,12 @@ def test_uniform_aggregation_averages_client_estimates_with_the_global_for_absen
 
 
 def test_last_batch_mode_keeps_the_last_minibatch_statistics_and_clips():
-    mu0, sigma0 = torch.zeros(C, D), torch.full((C, D), 0.1)
+    """D >= 5000: the reference's weight min(1, D / 5000) is 1, so the last minibatch's statistics."""
+    d = 5000
+    mu0, sigma0 = torch.zeros(C, d), torch.full((C, d), 0.1)
     stats = ClassStats("last_batch", mu0, sigma0, sigma_max=0.1)
-    h1, y1 = torch.randn(8, D) * 5, torch.tensor([0, 0, 1, 1, 1, 2, 2, 2])
-    h2, y2 = torch.randn(4, D) * 5 + 1, torch.tensor([0, 0, 0, 1])
+    h1, y1 = torch.randn(8, d) * 5, torch.tensor([0, 0, 1, 1, 1, 2, 2, 2])
+    h2, y2 = torch.randn(4, d) * 5 + 1, torch.tensor([0, 0, 0, 1])
     stats.update(h1, y1)
     stats.update(h2, y2)
     mu, sigma = stats.mean_std()
@@ -102,6 +104,30 @@ def test_last_batch_mode_keeps_the_last_minibatch_statistics_and_clips():
     torch.testing.assert_close(mu[2], h1[5:].mean(0))
     torch.testing.assert_close(sigma[0], h2[:3].std(0).clamp(max=0.1))
     assert torch.equal(mu[3], mu0[3]) and float(sigma.max()) <= float(torch.tensor(0.1))
+
+
+def test_last_batch_mode_is_the_reference_running_average_with_weight_d_over_5000():
+    """D < 5000: mu <- (1 - a) mu + a m, sigma <- (1 - a) sigma + a s with a = D / 5000, then clipped."""
+    d, sigma_max = 1000, 0.5
+    a = d / 5000
+    g = torch.Generator().manual_seed(3)
+    mu0, sigma0 = torch.randn(C, d, generator=g), torch.full((C, d), 0.3)
+    stats = ClassStats("last_batch", mu0, sigma0, sigma_max=sigma_max)
+    batches = [(torch.randn(6, d, generator=g) * 2 + 1, torch.tensor([0, 0, 0, 1, 2, 2])),
+               (torch.randn(5, d, generator=g) * 3, torch.tensor([0, 0, 2, 2, 2]))]
+    mu, sigma = mu0.clone(), sigma0.clone()
+    for h, y in batches:
+        stats.update(h, y)
+        for c in y.unique().tolist():
+            rows = h[y == c]
+            mu[c] = (1 - a) * mu[c] + a * rows.mean(0)
+            if len(rows) >= 2:
+                sigma[c] = (1 - a) * sigma[c] + a * rows.std(0)
+        sigma = sigma.clamp(max=sigma_max)
+    got_mu, got_sigma = stats.mean_std()
+    torch.testing.assert_close(got_mu, mu)
+    torch.testing.assert_close(got_sigma, sigma)
+    assert not torch.allclose(got_mu[0], batches[1][0][:2].mean(0), atol=0.1)  # not the last batch
 
 
 def test_privacy_noise_keeps_sigma_non_negative():
