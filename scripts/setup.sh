@@ -6,12 +6,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 TORCH_VERSION="${FL_TORCH_VERSION:-2.13.0}"
-PY="${PYTHON:-}"
-if [ -z "$PY" ]; then
+# A candidate must run, not just exist: a pyenv shim for a version that is not selected is on PATH
+# but fails (printing several lines), so the probe runs each one silently.
+py_ok() {
+  command -v "$1" >/dev/null 2>&1 && "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1
+}
+PY=""
+if [ -n "${PYTHON:-}" ]; then
+  py_ok "$PYTHON" || { echo "error: PYTHON=$PYTHON does not run as Python >= 3.11" >&2; exit 1; }
+  PY="$PYTHON"
+else
   for cand in python3.13 python3.12 python3.11 python3; do
-    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
-      PY="$cand"; break
-    fi
+    if py_ok "$cand"; then PY="$cand"; break; fi
   done
 fi
 if [ -z "$PY" ]; then
@@ -30,27 +36,41 @@ if [ -f .venv/.setup-stamp ] && [ "$(cat .venv/.setup-stamp)" = "$stamp_now" ]; 
   exit 0
 fi
 
+# pip's chatter (warnings about index locations from a machine-wide pip config, build-backend
+# notices) goes to a log that is shown in full only when pip fails, so errors still surface.
+pip_install() {
+  local log rc=0
+  log="$(mktemp)"
+  "$VPY" -m pip install --quiet "$@" >"$log" 2>&1 || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    cat "$log" >&2
+    echo "error: pip install $* failed (exit $rc, pip's output above)" >&2
+  fi
+  rm -f "$log"
+  return "$rc"
+}
+
 "$VPY" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
 
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "setup: GPU found, installing torch==$TORCH_VERSION (CUDA build)" >&2
-    "$VPY" -m pip install --quiet "torch==$TORCH_VERSION"
+    pip_install "torch==$TORCH_VERSION"
   else
     echo "setup: no GPU, installing the CPU build of torch==$TORCH_VERSION" >&2
     # A local/cached CPU wheel (as on our CI machines) is taken as is; otherwise use PyTorch's
     # CPU index when it is reachable, so PyPI's CUDA build is never pulled.
     if curl -fsS --max-time 5 -o /dev/null https://download.pytorch.org/whl/cpu/ 2>/dev/null \
        && ! "$VPY" -m pip download --quiet --no-deps --no-index -d /tmp/fl-torch-probe "torch==$TORCH_VERSION" >/dev/null 2>&1; then
-      "$VPY" -m pip install --quiet "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
+      pip_install "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
     else
-      "$VPY" -m pip install --quiet "torch==$TORCH_VERSION"
+      pip_install "torch==$TORCH_VERSION"
     fi
   fi
 fi
 
 echo "setup: installing fl_platform and its dependencies" >&2
-"$VPY" -m pip install --quiet -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+pip_install -e ".[dev]"
 "$VPY" -c "import fl_platform, torch, flwr, ray, hydra" || { echo "error: installation failed" >&2; exit 1; }
 if ! command -v nvidia-smi >/dev/null 2>&1 && "$VPY" -c "import torch,sys; sys.exit(torch.version.cuda is None)"; then
   echo "warning: a CUDA build of torch is installed on a machine without a GPU" >&2
