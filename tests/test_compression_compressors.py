@@ -168,6 +168,40 @@ def test_qsgd_draws_depend_on_sender_and_are_reproducible():
     assert not torch.equal(a, comp.roundtrip(x, None, Key(seed=1, step=4, sender=1))[0])
 
 
+# ------------------------------------------------------------------ sign
+
+
+def test_sign_decodes_to_plus_minus_one_with_zero_as_plus_one():
+    x = torch.tensor([[0.5, -2.0, 0.0], [-0.0, 3.0, -1e-30]], dtype=torch.float64)
+    y, payload, _ = Sign().roundtrip(x)
+    # sign(x) with the documented choice for zero (and -0.0): +1; a negative subnormal stays -1
+    assert torch.equal(y, torch.tensor([[1.0, -1.0, 1.0], [1.0, 1.0, -1.0]], dtype=torch.float64))
+    assert payload.tensors["signs"].dtype == torch.uint8 and payload.nbytes == 1  # 6 bits in one byte
+
+
+def test_scaled_sign_decodes_to_the_mean_magnitude_times_the_sign():
+    x = torch.tensor([1.0, -2.0, 0.0, 5.0, -0.5, 0.5, 7.0, -8.0, 3.0])
+    y, payload, _ = ScaledSign().roundtrip(x.view(3, 3))
+    scale = 27.0 / 9  # ||x||_1 / d
+    assert float(payload.tensors["scale"]) == scale
+    assert torch.equal(y, (scale * torch.tensor([1.0, -1, 1, 1, -1, 1, 1, -1, 1])).view(3, 3))
+
+
+def test_efsign_is_error_feedback_around_the_scaled_sign():
+    """EF-SignSGD (specs/compressors.md 4): a = x + e; delta = (||a||_1 / d) sign(a); e <- a - delta."""
+    ef = build_compressor("efsign")
+    assert isinstance(ef, ErrorFeedback) and isinstance(ef.inner, ScaledSign)
+    x1 = torch.tensor([1.0, -2.0, 0.0, 5.0])
+    p1, s1 = ef.encode(x1, None)
+    assert torch.equal(ef.decode(p1, s1), torch.tensor([2.0, -2.0, 2.0, 2.0]))  # scale 8 / 4
+    assert torch.equal(s1["residual"], torch.tensor([-1.0, 0.0, -2.0, 3.0]))
+    # The next message compresses x2 + e1 = [-0.5, 0.5, -1.5, -1], whose scale is 3.5 / 4.
+    x2 = torch.tensor([0.5, 0.5, 0.5, -4.0])
+    p2, s2 = ef.encode(x2, s1)
+    assert torch.equal(ef.decode(p2, s2), torch.tensor([-0.875, 0.875, -0.875, -0.875]))
+    assert torch.equal(s2["residual"], torch.tensor([0.375, -0.375, -0.625, -0.125]))
+
+
 # ------------------------------------------------------------------ low rank
 
 
