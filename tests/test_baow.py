@@ -131,9 +131,13 @@ def test_baow_equalises_upload_times_and_is_exact_under_hierarchical_aggregation
     one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
     assert [r["test_accuracy"] for r in one] == [r["test_accuracy"] for r in two]
     assert [r["bytes_up"] for r in one] == [r["bytes_up"] for r in two]
+    assert len(one) == 3
     for r in one:
-        if r["baow_max_ratio"] < 1.0:  # no client capped at dense: everyone finishes with the straggler
-            assert r["sim_upload_max_s"] / r["sim_upload_min_s"] < 1.25
+        # rho0 = 0.01 over a 100x bandwidth range caps no client at dense (every rho_k < 1), so every
+        # upload must take as long as the straggler's rho0 upload: measured spread 1.02-1.03 (the
+        # per-layer ceil); uniform Top-k spreads ~100x (below), BCRS without the b_k / b_min factor too.
+        assert r["baow_max_ratio"] < 1.0
+        assert r["sim_upload_max_s"] / r["sim_upload_min_s"] < 1.1
         assert r["baow_mean_ratio"] > 0.01
     # uniform Top-k at rho0: the slow link sends as much as the fast ones, so uploads spread ~100x
     run_experiment(make_config(*common, "compressor=topk", "compressor.ratio=0.01", "compressor.index=int32",
