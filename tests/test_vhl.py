@@ -183,6 +183,45 @@ def test_predshift_maps_every_virtual_prediction_back():
         assert sum(r["test_accuracy_predshift"] for r in results) / 4 == want
 
 
+def _predicting(preds: list[int], outputs: int, num_virtual: int, strict: bool) -> tuple[VHLServer, FlatModel]:
+    """A linear model whose prediction for the one-hot input e_i is ``preds[i]`` (real or virtual)."""
+    def make() -> torch.nn.Module:
+        return torch.nn.Linear(len(preds), outputs)
+
+    model = make()
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.zero_()
+        for i, p in enumerate(preds):
+            model.weight[p, i] = 3.0
+    fm = FlatModel(model)
+    setup = Setup(model_fn=make, num_params=fm.num_params, num_buffers=fm.num_buffers, num_classes=4,
+                  input_shape=(len(preds),), num_clients=1, seed=0, train=TrainConfig())
+    cfg = VHLConf(predshift_strict=strict, num_virtual_classes=num_virtual, samples_per_class=1)
+    return VHLServer(cfg, setup, fm.vector.clone()), fm
+
+
+@pytest.mark.parametrize(("num_virtual", "preds", "labels", "plain", "shifted", "strict_shifted"), [
+    # C = 4 real classes, 4 virtual (4..7): a real hit, a real miss, virtual hits 5->1, 4->0, 7->3, 6->2,
+    # a virtual miss (6->2 for label 0), a real miss; the strict reference quirk leaves 4 (= C) unmapped
+    (4, [1, 2, 5, 6, 4, 7, 3, 6], [1, 0, 1, 0, 0, 3, 2, 2], 1 / 8, 5 / 8, 4 / 8),
+    # 2 virtual classes (4, 5 -> 0, 1)
+    (2, [4, 5, 5, 0, 3], [0, 1, 0, 0, 2], 1 / 5, 3 / 5, 2 / 5),
+])
+def test_predshift_counts_a_virtual_prediction_as_its_real_class_and_nothing_else(
+        num_virtual, preds, labels, plain, shifted, strict_shifted):
+    x, y = torch.eye(len(preds)), torch.tensor(labels)
+    for strict, want in ((False, shifted), (True, strict_shifted)):
+        server, fm = _predicting(preds, 4 + num_virtual, num_virtual, strict)
+        with torch.no_grad():
+            assert fm.model(x).argmax(1).tolist() == preds
+            loss = float(F.cross_entropy(fm.model(x).double(), y))
+        out = server.evaluate(fm, x, y, batch_size=3)  # three batches
+        assert out["test_accuracy"] == pytest.approx(plain)
+        assert out["test_accuracy_predshift"] == pytest.approx(want)
+        assert out["test_loss"] == pytest.approx(loss, rel=1e-6)
+
+
 def _run(*overrides: str):
     exp = build(compose_config("algorithm=vhl", "model=cnn", "model.channels=[8,16]", "model.hidden=32", "rounds=2",
                                "num_clients=10", "clients_per_round=4", "train.epochs=1", "train.batch_size=16",
@@ -210,7 +249,14 @@ def test_vhl_builds_a_2c_head_and_reports_both_accuracies():
     exp, rows = _run("rounds=1", "algorithm.num_virtual_classes=3")
     assert exp.simulation.eval_model.model.head.out_features == exp.data.num_classes + 3
     assert {"test_accuracy", "test_accuracy_predshift", "vhl_align", "vhl_ce_virtual"} <= rows[-1].keys()
-    assert rows[-1]["test_accuracy_predshift"] >= rows[-1]["test_accuracy"]
+    # Both accuracies recomputed by hand from the final model (the mapping itself: the test above).
+    fm, c = exp.simulation.eval_model, exp.data.num_classes
+    fm.load(exp.simulation.server.weights)
+    with torch.no_grad():
+        pred = fm.model(exp.data.test_x).argmax(1)
+    y = exp.data.test_y
+    assert rows[-1]["test_accuracy"] == pytest.approx(float((pred == y).float().mean()))
+    assert rows[-1]["test_accuracy_predshift"] == pytest.approx(float(((pred % c) == y).float().mean()))
     with pytest.raises(ValueError, match=r"algorithm\.virtual_batch_size"):
         _run("algorithm.virtual_batch_size=1000")
 
