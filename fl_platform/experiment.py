@@ -18,10 +18,10 @@ from omegaconf import DictConfig, OmegaConf
 from fl_platform.algorithms.registry import get_algorithm
 from fl_platform.config import options_of
 from fl_platform.datasets.federated import FederatedDataset, build_federated_dataset
-from fl_platform.engine.base import Engine
-from fl_platform.engine.checkpoint import Checkpointer
-from fl_platform.engine.setup import ExperimentSetup, ModelFactory, resolve_device
-from fl_platform.engine.simulation import LoopConfig, Simulation
+from fl_platform.rounds.engine import Engine
+from fl_platform.rounds.checkpoint import Checkpointer
+from fl_platform.rounds.setup import ExperimentSetup, ModelFactory, resolve_device
+from fl_platform.rounds.simulation import LoopConfig, Simulation
 from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
 from fl_platform.reporting import Reporter
 from fl_platform.seeding import Stream, seed_torch_global

@@ -88,7 +88,7 @@ def test_scaffold_keeps_each_clients_control_variate_across_rounds(make_config):
     exp.simulation.run()
     store = exp.engine.workers[0].store
     sampled = set()
-    from fl_platform.engine.sampling import sample_clients
+    from fl_platform.rounds.sampling import sample_clients
 
     for r in range(3):
         sampled.update(sample_clients(exp.cfg.seed, r, 10, 4))

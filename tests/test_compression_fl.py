@@ -11,7 +11,7 @@ import torch
 from fl_platform.compression import ErrorFeedback, Layout, RandomK, TopK, VectorCompressor
 from fl_platform.compression.uplink import ROUND_KEY, UplinkCompression, make_uplink
 from fl_platform.core import ClientUpdate, RoundContext
-from fl_platform.engine.sampling import sample_clients
+from fl_platform.rounds.sampling import sample_clients
 from fl_platform.experiment import build, run_experiment
 from fl_platform.training.flat import FlatModel
 

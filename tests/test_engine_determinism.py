@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fl_platform.engine.simulation import is_timing_key
+from fl_platform.rounds.simulation import is_timing_key
 from fl_platform.experiment import build
 
 from .conftest import compose_config
@@ -140,7 +140,7 @@ def test_compiled_graph_setting_is_checked():
 
 def test_rounds_on_the_worker_evaluate_with_the_drivers_threads(monkeypatch):
     from fl_platform.engine.hosted import _WorkerSimulation
-    from fl_platform.engine.simulation import Simulation
+    from fl_platform.rounds.simulation import Simulation
 
     seen: list[int] = []
     monkeypatch.setattr(Simulation, "evaluate", lambda self: seen.append(torch.get_num_threads()) or {})

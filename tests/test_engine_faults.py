@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fl_platform.engine.sampling import sample_clients
-from fl_platform.engine.simulation import is_timing_key
+from fl_platform.rounds.sampling import sample_clients
+from fl_platform.rounds.simulation import is_timing_key
 from fl_platform.experiment import build
 from fl_platform.training.loop import NonFiniteError
 

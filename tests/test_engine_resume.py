@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fl_platform.engine.simulation import is_timing_key
+from fl_platform.rounds.simulation import is_timing_key
 from fl_platform.experiment import build, run_experiment
 
 from .conftest import REPO, compose_config

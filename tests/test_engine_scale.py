@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fl_platform.engine.sampling import sample_clients
+from fl_platform.rounds.sampling import sample_clients
 from fl_platform.experiment import build
 
 from .conftest import compose_config

@@ -22,8 +22,8 @@ from fl_platform.algorithms.fedimpro import (
 )
 
 from fl_platform.core import Aggregate
-from fl_platform.engine.sampling import sample_clients
-from fl_platform.engine.simulation import is_timing_key
+from fl_platform.rounds.sampling import sample_clients
+from fl_platform.rounds.simulation import is_timing_key
 from fl_platform.experiment import build
 from fl_platform.models import build_model
 from fl_platform.training.hooks import Batch
@@ -236,6 +236,31 @@ def test_fedimpro_runs_deterministically_and_reports_its_terms():
     assert first == second
     assert all(math.isfinite(r["test_accuracy"]) for r in first if "test_accuracy" in r)
     assert first[1]["fedimpro_w_fake"] == 1.0 and math.isfinite(first[1]["fedimpro_fake_ce"])
+
+
+def _final_weights(*overrides: str) -> torch.Tensor:
+    exp = build(compose_config("model=cnn", "rounds=3", "num_clients=10", "clients_per_round=4", "train.epochs=1",
+                               "engine.threads_per_worker=1", *overrides))
+    try:
+        exp.simulation.run()
+    finally:
+        exp.engine.close()
+    return exp.simulation.server.weights
+
+
+def test_with_the_sampled_feature_term_weighted_zero_fedimpro_is_fedavg_up_to_rounding():
+    """The control of docs/results/heterogeneity.md: w_fake = 0 leaves FedAvg's training.
+
+    Not bit-identical: f runs once on the concatenated [h; h_fake] batch, whose matrix shapes round
+    differently from FedAvg's [h] (measured max |difference| 3e-8 to 6e-8 over seeds 0-4, 3 rounds;
+    0 when f runs on h alone). A sampled-feature term of weight 1e-4 moves the weights by 1e-4 to 2e-3.
+    """
+    fedavg = _final_weights("algorithm=fedavg")
+    off = _final_weights("algorithm=fedimpro", "algorithm.weight_schedule=constant", "algorithm.constant_weight=0")
+    assert float((off - fedavg).abs().max()) <= 1e-6
+    tiny = _final_weights("algorithm=fedimpro", "algorithm.weight_schedule=constant",
+                          "algorithm.constant_weight=1e-4")
+    assert float((tiny - fedavg).abs().max()) > 1e-5  # the tolerance above would see the term
 
 
 def test_bad_config_values_name_the_key():

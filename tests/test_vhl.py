@@ -20,7 +20,7 @@ from fl_platform.algorithms.vhl_data import (
     virtual_dataset,
 )
 
-from fl_platform.engine.simulation import is_timing_key
+from fl_platform.rounds.simulation import is_timing_key
 from fl_platform.experiment import build
 from fl_platform.models import build_model
 from fl_platform.training.flat import FlatModel

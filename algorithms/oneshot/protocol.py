@@ -176,7 +176,7 @@ class OneShotClient(ClientAlgorithm):
 
 
 def resolve_server_device(name: str) -> torch.device:
-    from fl_platform.engine.setup import resolve_device
+    from fl_platform.rounds.setup import resolve_device
 
     return resolve_device(name)
 

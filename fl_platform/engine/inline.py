@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from fl_platform.core import Broadcast, RoundContext
-from fl_platform.engine.base import Engine
+from fl_platform.rounds.engine import Engine
 from fl_platform.engine.scheduler import Scheduler
-from fl_platform.engine.setup import ExperimentSetup
+from fl_platform.rounds.setup import ExperimentSetup
 from fl_platform.engine.worker import Worker, WorkerOptions, WorkerResult
 from fl_platform.state.distributed import home_worker, lending_plan
 

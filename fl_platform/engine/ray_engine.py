@@ -56,11 +56,11 @@ import torch
 
 from fl_platform.algorithms.registry import get_algorithm
 from fl_platform.core import Broadcast, RoundContext
-from fl_platform.engine.base import Engine
+from fl_platform.rounds.engine import Engine
 from fl_platform.engine.hosted import HostedLoop, RoundsCall, RoundsResult
 from fl_platform.engine.scheduler import Plan, Scheduler
-from fl_platform.engine.setup import ExperimentSetup
-from fl_platform.engine.simulation import LoopConfig
+from fl_platform.rounds.setup import ExperimentSetup
+from fl_platform.rounds.simulation import LoopConfig
 from fl_platform.engine.worker import Worker, WorkerOptions, WorkerResult
 from fl_platform.state.distributed import home_worker, lending_plan
 from fl_platform.state.store import State

@@ -27,7 +27,7 @@ from fl_platform.algorithms.registry import get_algorithm
 from fl_platform.compression.uplink import make_uplink
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
 from fl_platform.engine.scheduler import work_units
-from fl_platform.engine.setup import ExperimentSetup, resolve_device
+from fl_platform.rounds.setup import ExperimentSetup, resolve_device
 from fl_platform.state.distributed import DistributedStore
 from fl_platform.state.store import State, StateStore, make_store
 from fl_platform.system.model import client_stat

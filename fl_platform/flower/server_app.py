@@ -23,8 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from fl_platform.algorithms.registry import get_algorithm
 from fl_platform.compression.uplink import contribution_sizes, make_uplink
-from fl_platform.engine.setup import resolve_device
-from fl_platform.engine.simulation import LoopConfig, Simulation
+from fl_platform.rounds.setup import resolve_device
+from fl_platform.rounds.simulation import LoopConfig, Simulation
 from fl_platform.flower.config import DeployConf, from_run_config, to_toml
 from fl_platform.flower.payloads import PayloadCodec
 from fl_platform.flower.strategy import AlgorithmStrategy, FlowerEngine

@@ -31,8 +31,8 @@ from flwr.serverapp.strategy import Strategy
 
 from fl_platform.algorithms.base import ServerAlgorithm
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
-from fl_platform.engine.base import Engine
-from fl_platform.engine.sampling import sample_clients
+from fl_platform.rounds.engine import Engine
+from fl_platform.rounds.sampling import sample_clients
 from fl_platform.engine.worker import WorkerResult
 from fl_platform.flower.config import DeployConf
 from fl_platform.flower.payloads import PayloadCodec

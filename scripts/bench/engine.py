@@ -135,7 +135,7 @@ def accuracy(model, data) -> float:
 def child_plain(config: str, rounds: int) -> dict[str, Any]:
     import torch
 
-    from fl_platform.engine.sampling import sample_clients
+    from fl_platform.rounds.sampling import sample_clients
 
     c = CONFIGS[config]
     data = load_data(c["num_clients"])
