@@ -199,10 +199,6 @@ class EngineConf:
     nonfinite: NonFinitePolicy = NonFinitePolicy.fail
     max_restarts: int = 3  # ray: a dead worker is restarted (and its clients rerun) at most this often per round
     scheduler_smoothing: float = 0.5  # weight of the newest round in each worker's runtime estimate
-    # ray: small-broadcast rounds through a Ray compiled graph (docs/engine.md); auto = when Ray has
-    # a CPU beyond the workers' for the driver, which spins on the graph's channels
-    compiled_graph: Any = "auto"
-    server_in_worker: bool = True  # ray, 1 worker, no client state, summing server: the worker runs whole rounds
     address: str | None = None  # ray: an existing cluster to join ("auto"); None starts a local one
     fault_injection: FaultInjectionConf = field(default_factory=FaultInjectionConf)
     # Clients a worker trains at once, vectorised (docs/vectorised.md): 1 = one by one; "auto" = as

@@ -18,12 +18,12 @@ from omegaconf import DictConfig, OmegaConf
 from fl_platform.algorithms.registry import get_algorithm
 from fl_platform.config import options_of
 from fl_platform.datasets.federated import FederatedDataset, build_federated_dataset
-from fl_platform.rounds.engine import Engine
-from fl_platform.rounds.checkpoint import Checkpointer
-from fl_platform.rounds.setup import ExperimentSetup, ModelFactory, resolve_device
-from fl_platform.rounds.simulation import LoopConfig, Simulation
 from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
 from fl_platform.reporting import Reporter
+from fl_platform.rounds.checkpoint import Checkpointer
+from fl_platform.rounds.engine import Engine
+from fl_platform.rounds.setup import ExperimentSetup, ModelFactory, resolve_device
+from fl_platform.rounds.simulation import LoopConfig, Simulation
 from fl_platform.seeding import Stream, seed_torch_global
 from fl_platform.system.model import build_system
 from fl_platform.training.flat import FlatModel
@@ -64,8 +64,6 @@ def validate(cfg: DictConfig) -> None:
         (engine.state_backend in ("memory", "disk"), "engine.state_backend",
          f"must be memory or disk; got {engine.state_backend!r}"),
         (engine.max_restarts >= 0, "engine.max_restarts", f"must be >= 0, got {engine.max_restarts}"),
-        (engine.compiled_graph in ("auto", True, False), "engine.compiled_graph",
-         f"must be auto, true or false; got {engine.compiled_graph!r}"),
         (engine.fault_injection.client is None or enum_value(engine.name) == "ray", "engine.fault_injection",
          "is a test-only fault for Ray workers; it needs engine=ray"),
     ]
@@ -189,8 +187,7 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
 RESUME_FREE_KEYS = ("resume", "checkpoint_every", "logger.", "eval_batch_size", "engine.name", "engine.num_workers",
                     "engine.device", "engine.cpus_per_worker", "engine.gpus_per_worker", "engine.threads_per_worker",
                     "engine.max_restarts", "engine.scheduler_smoothing", "engine.address", "engine.fault_injection",
-                    "engine.state_cache_mb", "engine.cohort_size", "engine.compiled_graph",
-                    "engine.server_in_worker")
+                    "engine.state_cache_mb", "engine.cohort_size")
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:

@@ -41,9 +41,9 @@ from common import compose, write_section  # noqa: E402
 from fl_platform.algorithms.baow import keep_ratios  # noqa: E402
 
 from fl_platform.compression.topk import TopK  # noqa: E402
-from fl_platform.rounds.sampling import sample_clients  # noqa: E402
 from fl_platform.experiment import run_experiment  # noqa: E402
 from fl_platform.models import build_model  # noqa: E402
+from fl_platform.rounds.sampling import sample_clients  # noqa: E402
 from fl_platform.system.model import build_system  # noqa: E402
 from fl_platform.training.flat import FlatModel  # noqa: E402
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,10 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
 from fl_platform.config import register_configs
+
+# Every Ray process of the tests (Ray started here, by RayEngine, by Flower's simulation, or in a
+# subprocess, which inherits this environment) binds 127.0.0.1, never the machine's network address.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"

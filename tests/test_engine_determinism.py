@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fl_platform.rounds.simulation import is_timing_key
 from fl_platform.experiment import build
+from fl_platform.rounds.simulation import is_timing_key
 
 from .conftest import compose_config
 
@@ -57,23 +57,6 @@ def test_fedavg_inline_vs_ray_1_and_2_workers(ray_session):
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold"])
-def test_ray_compiled_graph_rounds_equal_rpc_rounds(ray_session, algorithm):
-    def ray_run(compiled: bool):
-        exp = build(compose_config(*COMMON, f"algorithm={algorithm}", "engine=ray", "engine.num_workers=2",
-                                   "engine.state_store=disk", f"engine.compiled_graph={str(compiled).lower()}"))
-        try:
-            exp.simulation.run()
-            assert (exp.engine._dag is not None) is compiled  # the path under test was taken
-        finally:
-            exp.engine.close()
-        rows = [{k: v for k, v in row.items() if not is_timing_key(k)} for row in exp.simulation.history]
-        return exp.simulation.server.weights.clone(), rows
-
-    assert_same(ray_run(True), ray_run(False))
-
-
-@pytest.mark.ray
 @pytest.mark.parametrize("store", ["disk", "distributed"])
 def test_scaffold_inline_vs_ray_2_workers(ray_session, store):
     ref = run("algorithm=scaffold")
@@ -82,70 +65,29 @@ def test_scaffold_inline_vs_ray_2_workers(ray_session, store):
 
 
 @pytest.mark.ray
-def test_ray_one_worker_hosts_the_rounds_between_checkpoints(ray_session, tmp_path):
-    """One stateless Ray worker runs the rounds itself, server step and evaluation included, one call
-    per checkpoint interval; the model, the metrics and the server's momentum equal inline's."""
+def test_ray_server_momentum_evaluation_and_checkpoints_equal_inline(ray_session, tmp_path):
+    """Server state beyond the weights (FedAvgM's velocity), evaluation rounds and checkpoint rounds
+    come out of the Ray engine exactly as inline."""
     common = ("algorithm=fedavg", "algorithm.server_momentum=0.9", "rounds=5", "eval_every=2", "checkpoint_every=2")
-    ref = run(*common, "engine=inline")
 
-    def ray_run(hosted: bool):
-        exp = build(compose_config(*COMMON, *common, "engine=ray", "engine.num_workers=1",
-                                   f"engine.server_in_worker={str(hosted).lower()}"), tmp_path / str(hosted))
+    def run_with(tag: str, *overrides: str):
+        exp = build(compose_config(*COMMON, *common, *overrides), tmp_path / tag)
         try:
             exp.simulation.run()
-            assert exp.engine.hosts_rounds() is hosted
-            assert exp.engine.hosted_calls == (3 if hosted else 0)  # rounds 1-2, 3-4, 5
         finally:
             exp.engine.close()
         rows = [{k: v for k, v in row.items() if not is_timing_key(k)} for row in exp.simulation.history]
         assert [("test_accuracy" in row) for row in rows] == [False, True, False, True, True]
-        walls = [row["wall_time_s"] for row in exp.simulation.history]
-        assert walls == sorted(walls)
         return exp.simulation.server.weights.clone(), rows, exp.simulation.server.velocity.clone()
 
-    hosted, per_round = ray_run(True), ray_run(False)
-    assert_same(ref, hosted[:2])
-    assert_same(ref, per_round[:2])
-    assert torch.equal(hosted[2], per_round[2])  # server state beyond the weights travels back too
+    inline, ray = run_with("inline", "engine=inline"), run_with("ray", "engine=ray", "engine.num_workers=1")
+    assert_same(inline[:2], ray[:2])
+    assert torch.equal(inline[2], ray[2])
 
 
-@pytest.mark.ray
-@pytest.mark.parametrize("algorithm", ["scaffold", "oneshot_ensemble"])
-def test_ray_one_worker_keeps_stateful_and_list_mode_rounds_on_the_driver(ray_session, algorithm):
-    """Client state must be committed round by round (a crash reruns one round); a list-mode server's
-    heavy step keeps the driver's threads."""
-    exp = build(compose_config(*COMMON, f"algorithm={algorithm}", "engine=ray", "engine.num_workers=1"))
-    try:
-        assert not exp.engine.hosts_rounds()
-    finally:
-        exp.engine.close()
-
-
-@pytest.mark.ray
-@pytest.mark.parametrize("workers, hosted, compiled", [(2, False, False), (1, False, True)])
-def test_compiled_graph_auto_leaves_the_driver_a_core(ray_session, workers, hosted, compiled):
-    """auto: the graph only when Ray has a CPU beyond the workers' (the session's Ray has 2)."""
-    exp = build(compose_config(*COMMON, "engine=ray", f"engine.num_workers={workers}",
-                               f"engine.server_in_worker={str(hosted).lower()}"))
-    try:
-        assert exp.engine.compiled is compiled
-    finally:
-        exp.engine.close()
-
-
-def test_compiled_graph_setting_is_checked():
-    with pytest.raises(ValueError, match=r"engine\.compiled_graph must be auto, true or false"):
-        build(compose_config(*COMMON, "engine.compiled_graph=sometimes"))
-
-
-def test_rounds_on_the_worker_evaluate_with_the_drivers_threads(monkeypatch):
-    from fl_platform.engine.hosted import _WorkerSimulation
-    from fl_platform.rounds.simulation import Simulation
-
-    seen: list[int] = []
-    monkeypatch.setattr(Simulation, "evaluate", lambda self: seen.append(torch.get_num_threads()) or {})
-    own = torch.get_num_threads()
-    sim = object.__new__(_WorkerSimulation)  # only its evaluate() is under test
-    sim.eval_threads = own + 1
-    sim.evaluate()
-    assert seen == [own + 1] and torch.get_num_threads() == own  # the worker's training threads come back
+@pytest.mark.parametrize("key", ["engine.compiled_graph=true", "engine.server_in_worker=true"])
+def test_removed_ray_paths_are_refused(key):
+    """The compiled graph and rounds hosted on the worker were removed (one Ray path): their keys are
+    unknown now, not silently ignored."""
+    with pytest.raises(Exception, match=key.split("=")[0].split(".")[1]):
+        compose_config(*COMMON, key)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fl_platform.rounds.sampling import sample_clients
 from fl_platform.experiment import build
+from fl_platform.rounds.sampling import sample_clients
 
 from .conftest import compose_config
 

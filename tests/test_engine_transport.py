@@ -1,5 +1,6 @@
-"""The Ray engine's tensor transport: numpy buffers for CPU tensors, torch.save for the rest,
-bit-identical either way."""
+"""The Ray engine's message transport: a Packed value's CPU tensors travel as numpy buffers (torch's
+pickling for dtypes numpy lacks), bit-identical, writable, and only the engine's own messages are
+affected."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import pickle
 import pytest
 import torch
 
-from fl_platform.engine.ray_engine import _tensor_from_payload, _tensor_payload
+from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics
+from fl_platform.engine.transport import Packed
+from fl_platform.rounds.engine import WorkerResult
 
 
-def _roundtrip(t: torch.Tensor) -> torch.Tensor:
-    return _tensor_from_payload(pickle.loads(pickle.dumps(_tensor_payload(t), protocol=5)))
+def _roundtrip(value):
+    return pickle.loads(pickle.dumps(Packed(value), protocol=5))
 
 
 @pytest.mark.parametrize("t", [
@@ -22,11 +25,12 @@ def _roundtrip(t: torch.Tensor) -> torch.Tensor:
     torch.arange(10) > 4,
     torch.randint(0, 255, (3, 3), dtype=torch.uint8),
     torch.randn(3, dtype=torch.complex64).conj(),  # a lazy conjugate
-    torch.randn(5).to(torch.bfloat16),  # no numpy dtype: torch.save fallback
+    torch.randn(5).to(torch.bfloat16),  # no numpy dtype: torch's pickling
     torch.empty(0, 3),
 ])
 def test_tensors_survive_the_transport_bit_identically(t):
     got = _roundtrip(t)
+    assert isinstance(got, torch.Tensor)  # the receiver gets the value, not a Packed
     assert got.dtype == t.dtype and got.shape == t.shape
     assert torch.equal(got, t.resolve_conj())
     got.add_(1) if got.dtype != torch.bool else got.logical_not_()  # writable, not a read-only buffer view
@@ -36,3 +40,29 @@ def test_requires_grad_is_kept():
     t = torch.randn(3, requires_grad=True)
     got = _roundtrip(t)
     assert got.requires_grad and torch.equal(got.detach(), t.detach())
+
+
+def test_messages_come_back_whole_with_their_tensors_as_numpy_on_the_wire():
+    agg = Aggregate()
+    agg.add({"delta": torch.randn(6, dtype=torch.float64)}, {"n": 3.0}, count=2)
+    update = ClientUpdate(4, {"logits": torch.randn(2, 3)}, {"n": 1.0}, 5, Metrics({"loss": [1.0, 2.0]}))
+    result = WorkerResult(1, agg, [update], Metrics(), {4: 0.1}, 0.2, 10, 20,
+                          outbox={7: {"c": torch.ones(4)}})
+    wire = pickle.dumps(Packed(result), protocol=5)
+    assert b"torch._utils" not in wire and b"_rebuild_tensor" not in wire  # no torch pickling inside
+    got = pickle.loads(wire)
+    assert isinstance(got, WorkerResult) and got.worker_id == 1 and got.aggregate.count == 2
+    assert torch.equal(got.aggregate.tensors["delta"], agg.tensors["delta"])
+    assert torch.equal(got.updates[0].tensors["logits"], update.tensors["logits"])
+    assert got.updates[0].metrics.values == {"loss": [1.0, 2.0]}
+    assert torch.equal(got.outbox[7]["c"], torch.ones(4))
+    bc = Broadcast({"weights": torch.randn(5)}, {"lr": 0.1}, {3: {"keep": 0.5}})
+    back = _roundtrip(bc)
+    assert isinstance(back, Broadcast) and back.scalars == bc.scalars and back.per_client == bc.per_client
+    assert torch.equal(back.tensors["weights"], bc.tensors["weights"])
+
+
+def test_only_packed_values_are_affected():
+    """Plain tensors elsewhere in the process keep torch's own pickling (no process-wide serialiser)."""
+    wire = pickle.dumps(torch.randn(3), protocol=5)
+    assert b"_rebuild_tensor" in wire

@@ -22,10 +22,10 @@ from fl_platform.algorithms.fedimpro import (
 )
 
 from fl_platform.core import Aggregate
-from fl_platform.rounds.sampling import sample_clients
-from fl_platform.rounds.simulation import is_timing_key
 from fl_platform.experiment import build
 from fl_platform.models import build_model
+from fl_platform.rounds.sampling import sample_clients
+from fl_platform.rounds.simulation import is_timing_key
 from fl_platform.training.hooks import Batch
 
 from .conftest import REPO, compose_config

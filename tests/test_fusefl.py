@@ -18,9 +18,9 @@ from fl_platform.algorithms.fusefl import (
 )
 from fl_platform.algorithms.oneshot.protocol import count_model
 
-from fl_platform.rounds.setup import ModelFactory
 from fl_platform.experiment import build
 from fl_platform.models import build_model
+from fl_platform.rounds.setup import ModelFactory
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.loop import ClientData, LocalTrainer, TrainConfig
 

@@ -14,8 +14,8 @@ from fl_platform.algorithms.oneshot.fedavg import OneShotFedAvgConf, OneShotFedA
 from fl_platform.algorithms.oneshot.protocol import HoldoutFilter, build_module, server_split
 
 from fl_platform.core import ClientUpdate, RoundContext
-from fl_platform.rounds.setup import ModelFactory
 from fl_platform.experiment import build
+from fl_platform.rounds.setup import ModelFactory
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.loop import ClientData, TrainConfig
 

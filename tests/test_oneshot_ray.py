@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import torch
 
-from fl_platform.rounds.simulation import is_timing_key
 from fl_platform.experiment import build
+from fl_platform.rounds.simulation import is_timing_key
 
 from .conftest import compose_config
 

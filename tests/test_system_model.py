@@ -139,8 +139,8 @@ def test_metrics_report_simulated_time_independent_of_workers(make_config, tmp_p
     # recompute round 1 from the model: every client downloads and uploads the dense vector
     cfg = make_config(*base)
     model = build_system(cfg.system, cfg.seed)
-    from fl_platform.rounds.sampling import sample_clients
     from fl_platform.experiment import load_data
+    from fl_platform.rounds.sampling import sample_clients
 
     data = load_data(cfg)
     vec_bytes = one[0]["bytes_down"] // 4

@@ -16,9 +16,9 @@ from torch.utils._pytree import tree_map_only
 
 from fl_platform.core import Aggregate, Broadcast, RoundContext
 from fl_platform.engine import worker as worker_module
-from fl_platform.rounds.simulation import is_timing_key
 from fl_platform.experiment import ConfigError, build
 from fl_platform.models import build_model
+from fl_platform.rounds.simulation import is_timing_key
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.functional import FunctionalModel, NotVectorisable, gradient_terms
 from fl_platform.training.hooks import Batch, ComposedHooks, GradientCorrectionHook, ProximalHook, TrainHooks

@@ -20,9 +20,9 @@ from fl_platform.algorithms.vhl_data import (
     virtual_dataset,
 )
 
-from fl_platform.rounds.simulation import is_timing_key
 from fl_platform.experiment import build
 from fl_platform.models import build_model
+from fl_platform.rounds.simulation import is_timing_key
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.hooks import Batch
 from fl_platform.training.loop import TrainConfig

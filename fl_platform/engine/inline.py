@@ -13,34 +13,27 @@ from pathlib import Path
 from typing import Any
 
 from fl_platform.core import Broadcast, RoundContext
-from fl_platform.rounds.engine import Engine
 from fl_platform.engine.scheduler import Scheduler
+from fl_platform.engine.worker import Worker, WorkerOptions
+from fl_platform.rounds.engine import Engine, WorkerResult
 from fl_platform.rounds.setup import ExperimentSetup
-from fl_platform.engine.worker import Worker, WorkerOptions, WorkerResult
 from fl_platform.state.distributed import home_worker, lending_plan
 
 
 class InlineEngine(Engine):
-    def __init__(self, setup: ExperimentSetup, num_workers: int = 1, *, scheduler_smoothing: float = 0.5,
-                 workers: list[Worker] | None = None) -> None:
-        """``workers``: run these (already built) instead of building ``num_workers`` new ones; a Ray
-        worker that hosts the round loop (``engine/hosted.py``) wraps itself this way."""
-        if workers is not None:
-            num_workers = len(workers)
+    def __init__(self, setup: ExperimentSetup, num_workers: int = 1, *, scheduler_smoothing: float = 0.5) -> None:
         if num_workers < 1:
             raise ValueError(f"engine.num_workers must be >= 1, got {num_workers}")
         self.setup = setup
         self.num_workers = num_workers
         self.distributed = setup.state_store == "distributed"
-        if workers is None:
-            options = WorkerOptions(num_workers=num_workers)
-            first = Worker(0, setup, options)
-            workers = [first]
-            for i in range(1, num_workers):
-                # One shared store unless each worker is the home of its own clients.
-                workers.append(Worker(i, setup, options, store=None if self.distributed else first.store))
+        options = WorkerOptions(num_workers=num_workers)
+        first = Worker(0, setup, options)
+        workers = [first]
+        for i in range(1, num_workers):
+            # One shared store unless each worker is the home of its own clients.
+            workers.append(Worker(i, setup, options, store=None if self.distributed else first.store))
         self.workers = workers
-        first = workers[0]
         self.stateful = first.stateful
         home = (lambda c: home_worker(c, num_workers)) if self.distributed and self.stateful else None
         self.scheduler = Scheduler(num_workers, setup.dataset.client_sizes(), setup.train, home=home,

@@ -27,6 +27,7 @@ from fl_platform.algorithms.registry import get_algorithm
 from fl_platform.compression.uplink import make_uplink
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
 from fl_platform.engine.scheduler import work_units
+from fl_platform.rounds.engine import WorkerResult
 from fl_platform.rounds.setup import ExperimentSetup, resolve_device
 from fl_platform.state.distributed import DistributedStore
 from fl_platform.state.store import State, StateStore, make_store
@@ -49,21 +50,6 @@ class WorkerOptions:
     incarnation: int = 0  # 0 for the first actor of this worker id, +1 per restart
     fault_client: int | None = None  # TEST ONLY: the process exits when it starts training this client...
     fault_round: int | None = None  # ...in this round (0-based; None: any round), first incarnation only
-
-
-@dataclass
-class WorkerResult:
-    worker_id: int
-    aggregate: Aggregate
-    updates: list[ClientUpdate]
-    metrics: Metrics
-    client_seconds: dict[int, float]
-    busy_seconds: float
-    bytes_up: int
-    bytes_down: int
-    rejected: dict[int, str] = field(default_factory=dict)
-    outbox: dict[int, State] = field(default_factory=dict)  # new states of clients homed elsewhere
-    client_stats: dict[int, dict[str, float]] = field(default_factory=dict)  # bytes_up, samples (system model)
 
 
 @dataclass

@@ -36,11 +36,11 @@ from fl_platform.algorithms.registry import get_algorithm
 from fl_platform.compression.uplink import UplinkCompression, make_uplink
 from fl_platform.config import options_of
 from fl_platform.datasets.federated import FederatedDataset, build_federated_dataset
-from fl_platform.rounds.setup import resolve_device
 from fl_platform.flower.config import DeployConf, from_run_config
 from fl_platform.flower.payloads import PayloadCodec
 from fl_platform.flower.records import IDENTIFY, decode_train, encode_update
 from fl_platform.flower.state import ContextStateStore
+from fl_platform.rounds.setup import resolve_device
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.loop import ClientData, LocalTrainer, NonFiniteError
 

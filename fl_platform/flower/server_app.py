@@ -23,13 +23,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from fl_platform.algorithms.registry import get_algorithm
 from fl_platform.compression.uplink import contribution_sizes, make_uplink
-from fl_platform.rounds.setup import resolve_device
-from fl_platform.rounds.simulation import LoopConfig, Simulation
 from fl_platform.flower.config import DeployConf, from_run_config, to_toml
 from fl_platform.flower.payloads import PayloadCodec
 from fl_platform.flower.strategy import AlgorithmStrategy, FlowerEngine
 from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
 from fl_platform.reporting import Reporter
+from fl_platform.rounds.setup import resolve_device
+from fl_platform.rounds.simulation import LoopConfig, Simulation
 from fl_platform.seeding import Stream, seed_torch_global
 from fl_platform.training.flat import FlatModel
 

@@ -31,9 +31,6 @@ from flwr.serverapp.strategy import Strategy
 
 from fl_platform.algorithms.base import ServerAlgorithm
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
-from fl_platform.rounds.engine import Engine
-from fl_platform.rounds.sampling import sample_clients
-from fl_platform.engine.worker import WorkerResult
 from fl_platform.flower.config import DeployConf
 from fl_platform.flower.payloads import PayloadCodec
 from fl_platform.flower.records import (
@@ -45,6 +42,8 @@ from fl_platform.flower.records import (
     encode_train,
     message_nbytes,
 )
+from fl_platform.rounds.engine import Engine, WorkerResult
+from fl_platform.rounds.sampling import sample_clients
 
 log = logging.getLogger(__name__)
 

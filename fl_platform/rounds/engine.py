@@ -1,16 +1,39 @@
-"""The engine interface: run one round's clients on W workers and return W partial results."""
+"""The interface the round loop drives: train one round's clients on W workers, return W partial results.
+
+Implemented by the simulation engines (``fl_platform/engine/``: inline and Ray) and by the Flower
+ServerApp's adapter (``fl_platform/flower/strategy.py``), so the round loop in ``simulation.py``
+runs unchanged on every runtime and imports nothing from any of them.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fl_platform.core import Broadcast, RoundContext
-from fl_platform.engine.worker import WorkerResult
+import torch
 
-if TYPE_CHECKING:
-    from fl_platform.engine.simulation import LoopConfig
+from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
+
+State = dict[str, torch.Tensor]
+
+
+@dataclass
+class WorkerResult:
+    """One worker's share of a round: its partial aggregate (or list of updates) and bookkeeping."""
+
+    worker_id: int
+    aggregate: Aggregate
+    updates: list[ClientUpdate]
+    metrics: Metrics
+    client_seconds: dict[int, float]
+    busy_seconds: float
+    bytes_up: int
+    bytes_down: int
+    rejected: dict[int, str] = field(default_factory=dict)
+    outbox: dict[int, State] = field(default_factory=dict)  # new states of clients homed elsewhere
+    client_stats: dict[int, dict[str, float]] = field(default_factory=dict)  # bytes_up, samples (system model)
 
 
 class Engine(ABC):
@@ -19,16 +42,6 @@ class Engine(ABC):
     @abstractmethod
     def run_round(self, ctx: RoundContext, broadcast: Broadcast) -> list[WorkerResult]:
         """Train ``ctx.clients``; results are returned in worker-id order."""
-
-    def hosts_rounds(self) -> bool:
-        """Whether ``run_rounds`` runs whole rounds, server step included, on a worker."""
-        return False
-
-    def run_rounds(self, loop: LoopConfig, start: int, stop: int,
-                   server_state: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """Rounds ``start..stop-1`` (or fewer, at least one) from ``server_state``, on a worker that
-        runs the round loop itself: (their metrics rows, the server's state after the last)."""
-        raise NotImplementedError(f"{type(self).__name__} runs one round at a time (hosts_rounds() is False)")
 
     def round_stats(self) -> dict[str, float]:
         """Scheduling statistics of the last round (predicted vs actual makespan, balance)."""

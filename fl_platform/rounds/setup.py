@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
-
 from fl_platform.algorithms.base import AlgorithmConf, Setup
 from fl_platform.datasets.federated import FederatedDataset
+from torch import nn
+
 from fl_platform.models import build_model
 from fl_platform.training.loop import TrainConfig
 

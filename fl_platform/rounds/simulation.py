@@ -3,11 +3,8 @@
 Per round: sample clients from (seed, round), build the broadcast once, let the engine train
 the clients on its workers, reduce the partial aggregates in worker-id order, apply the
 algorithm's server step, evaluate every ``eval_every`` rounds, log one metrics row, and
-checkpoint every ``checkpoint_every`` rounds (``fl_platform/engine/checkpoint.py``).
-
-With one stateless Ray worker the engine hosts the rounds (``engine/hosted.py``): this same
-``run_round`` executes on the worker, several rounds per call, and ``run`` logs and checkpoints
-the rows it hands back.
+checkpoint every ``checkpoint_every`` rounds (``fl_platform/rounds/checkpoint.py``). The same loop
+drives the simulation engines and, through an ``Engine`` adapter, Flower's ServerApp.
 
 Metrics rows mix results (identical for every engine, worker count and resume) with timing and
 scheduling fields (``is_timing_key``), which naturally differ between runs.
@@ -22,15 +19,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from fl_platform.algorithms.base import ServerAlgorithm
-from fl_platform.core import Aggregate, ClientUpdate, Metrics, RoundContext
 from fl_platform.datasets.federated import FederatedDataset
-from fl_platform.engine.base import Engine
-from fl_platform.engine.checkpoint import Checkpoint, Checkpointer, set_rng_state
-from fl_platform.engine.sampling import sample_clients
+
+from fl_platform.core import Aggregate, ClientUpdate, Metrics, RoundContext
 from fl_platform.outputs import MetricsLog, atomic_write_text
 from fl_platform.reporting import Reporter
+from fl_platform.rounds.checkpoint import Checkpoint, Checkpointer, set_rng_state
+from fl_platform.rounds.engine import Engine
+from fl_platform.rounds.sampling import sample_clients
 from fl_platform.training.flat import FlatModel
 
 log = logging.getLogger(__name__)
@@ -121,52 +118,20 @@ class Simulation:
     def run(self) -> dict[str, Any]:
         wall0 = time.perf_counter()
         offset = self.history[-1].get("wall_time_s", 0.0) if self.history else 0.0
-        r = self.start_round
-        while r < self.loop.rounds:
-            if self._hosted():
-                rows = self._hosted_rows(r, offset + time.perf_counter() - wall0)
-            else:
-                rows = [self.run_round(r)]
-                rows[0]["wall_time_s"] = offset + time.perf_counter() - wall0
-            for row in rows:
-                for key in ("test_accuracy", "test_loss", "train_loss"):
-                    value = row.get(key)
-                    if value is not None and not torch.isfinite(torch.tensor(value)):
-                        log.warning("round %d: %s is %s", r + 1, key, value)
-                self.history.append(row)
-                if self.metrics is not None:
-                    self.metrics.append(row)
-                if self.reporter is not None:
-                    self.reporter.round_done(row)
-                self.after_round(r)
-                r += 1
+        for r in range(self.start_round, self.loop.rounds):
+            row = self.run_round(r)
+            row["wall_time_s"] = offset + time.perf_counter() - wall0
+            for key in ("test_accuracy", "test_loss", "train_loss"):
+                value = row.get(key)
+                if value is not None and not torch.isfinite(torch.tensor(value)):
+                    log.warning("round %d: %s is %s", r + 1, key, value)
+            self.history.append(row)
+            if self.metrics is not None:
+                self.metrics.append(row)
+            if self.reporter is not None:
+                self.reporter.round_done(row)
+            self.after_round(r)
         return self.summary()
-
-    def _hosted(self) -> bool:
-        """The engine's worker runs whole rounds (``engine/hosted.py``), unless a subclass changed them."""
-        return self.engine.hosts_rounds() and type(self).run_round is Simulation.run_round
-
-    def _hosted_rows(self, r: int, clock: float) -> list[dict[str, Any]]:
-        """Rows of rounds r.. run on the engine's worker, up to the next checkpoint round.
-
-        The rows' times are the worker's. The call's own cost (shipping the server state both
-        ways, about 3 ms on Ray) is added to its first round, as start-up is to round 1, so
-        ``wall_time_s`` of its last round is the wall clock and the other rounds' times are their
-        steady-state cost.
-        """
-        stop = r + 1
-        while stop < self.loop.rounds and not (self.checkpointer is not None
-                                               and self.checkpointer.due(stop, self.loop.rounds)):
-            stop += 1
-        t0 = time.perf_counter()
-        rows, server_state = self.engine.run_rounds(self.loop, r, stop, self.server.state_dict())
-        self.server.load_state_dict(server_state)
-        own = sum(row["round_time_s"] + row.get("eval_time_s", 0.0) for row in rows)
-        rows[0]["round_time_s"] += max(0.0, time.perf_counter() - t0 - own)
-        for row in rows:
-            clock += row["round_time_s"] + row.get("eval_time_s", 0.0)
-            row["wall_time_s"] = clock
-        return rows
 
     def after_round(self, r: int) -> None:
         """Checkpoint when due (extension point for subclasses: call super)."""

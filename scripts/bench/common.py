@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Ray processes of the benchmarks (and of their child processes) bind 127.0.0.1 only.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
 REPO = Path(__file__).resolve().parents[2]
 BENCH_DIR = Path(__file__).resolve().parent
 

@@ -320,10 +320,8 @@ def render(rows: list[dict[str, Any]], rounds: int, configs: list[str]) -> str:
              "Peak RSS: the whole process tree (Ray's processes and workers included), sampled every 50 ms. "
              "Ratios are to the plain loop of the same configuration. Repeated runs (fresh processes, systems "
              "interleaved): round, start-up and first round are medians over the runs, the range column lists the "
-             "runs' median round times (ms), peak RSS is the largest. Ray with 1 worker runs the rounds on its "
-             "worker, many per call (`engine.server_in_worker`, docs/engine.md): a call's fixed cost (about 3 ms) "
-             "is counted in the call's first round, here round 1; in longer runs a call spans about 1 s of rounds. "
-             "Ray with 2 workers goes by RPC: on 2 cores no CPU is spare for a compiled graph's spinning driver.", ""]
+             "runs' median round times (ms), peak RSS is the largest. Ray workers receive each round's broadcast "
+             "and return one partial aggregate by RPC through the object store (docs/engine.md).", ""]
     for config in configs:
         limit = by.get((config, "plain"))
         lines += [f"### {config} clients (registered / per round)", "",
