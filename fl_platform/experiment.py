@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from fl_platform.algorithms.registry import get_algorithm
 from fl_platform.config import options_of
 from fl_platform.datasets.federated import FederatedDataset, build_federated_dataset
+from fl_platform.models import check_model_input
 from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
 from fl_platform.reporting import Reporter
 from fl_platform.rounds.checkpoint import Checkpointer
@@ -103,6 +104,8 @@ def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
     if data.vocab is not None and cfg.model.name == "lstm":
         model = ModelFactory(model.name, model.input_shape, model.num_classes,
                              {**model.options, "vocab_size": len(data.vocab)})
+    check_model_input(model.name, model.input_shape, model.num_classes, data.train_x.dtype,
+                      dataset=cfg.dataset.name, **model.options)
     engine = cfg.engine
     threads = engine.threads_per_worker or max(1, int(engine.cpus_per_worker))
     return ExperimentSetup(

@@ -147,7 +147,7 @@ def test_bad_input_fails_with_a_clear_message(make_config):
     with pytest.raises(ValueError, match=r"at most 3 FuseFL blocks.*blocks=4"):
         plan_cuts(cnn, 4)
     with pytest.raises(ValueError, match=r"ResNet18 into K in \[2, 3, 4, 8\].*blocks=5"):
-        plan_cuts(build_model("resnet18", (1, 8, 8), 10, width=2), 5)
+        plan_cuts(build_model("resnet18", (1, 8, 8), 10, width=2, norm="group"), 5)
     with pytest.raises(ValueError, match="no trainable stage below its head"):
         plan_cuts(build_model("mlp", (4,), 3, hidden=()), 1)
     with pytest.raises(ValueError, match=r"at most 1 FuseFL blocks"):

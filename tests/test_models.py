@@ -1,6 +1,7 @@
 """Tests of the model zoo: shapes, the staged API (split, partition, features), parameter
-counts, determinism, registry errors, and survival of the flat-buffer re-pointing that the
-training loop applies to every parameter and float buffer."""
+counts, determinism, registry errors, the start-up refusal of inputs a model cannot train on,
+and survival of the flat-buffer re-pointing that the training loop applies to every parameter
+and float buffer."""
 
 from __future__ import annotations
 
@@ -13,16 +14,22 @@ import pytest
 import torch
 from torch import nn
 
+from fl_platform.config import options_of
+from fl_platform.experiment import build
 from fl_platform.models import (
     FUSEFL_RESNET18_CUTS,
     MODELS,
     CharLSTM,
+    ModelInputError,
     ResNet18,
     StagedModel,
     build_model,
+    check_model_input,
     count_parameters,
     model_options,
 )
+
+from .conftest import CONF_DIR, compose_config
 
 # (id, registry name, input_shape, num_classes, options): the typical inputs of each model.
 CASES: list[tuple[str, str, tuple[int, ...], int, dict[str, Any]]] = [
@@ -33,7 +40,7 @@ CASES: list[tuple[str, str, tuple[int, ...], int, dict[str, Any]]] = [
     ("cnn-femnist", "cnn", (1, 28, 28), 62, {"channels": (8, 16), "hidden": 32}),
     ("cnn-cifar-bn", "cnn", (3, 32, 32), 10, {"channels": (8, 16, 16), "hidden": 32, "norm": "batch"}),
     ("cnn-cifar-gn", "cnn", (3, 32, 32), 10, {"channels": (8, 16), "hidden": 32, "norm": "group"}),
-    ("resnet-digits", "resnet18", (1, 8, 8), 10, {"width": 4}),
+    ("resnet-digits-gn", "resnet18", (1, 8, 8), 10, {"width": 4, "norm": "group"}),
     ("resnet-mnist", "resnet18", (1, 28, 28), 10, {"width": 4}),
     ("resnet-cifar-bn", "resnet18", (3, 32, 32), 10, {"width": 4}),
     ("resnet-cifar-gn", "resnet18", (3, 32, 32), 20, {"width": 4, "norm": "group"}),
@@ -236,9 +243,9 @@ def test_registry_errors() -> None:
         build_model("resnet18", (3, 32, 32), 10, depth=34)
     with pytest.raises(TypeError, match="dropout"):
         build_model("mlp", (1, 8, 8), 10, dropout=0.5)
-    with pytest.raises(ValueError, match="seq_len"):
+    with pytest.raises(ModelInputError, match="seq_len"):
         build_model("lstm", (1, 80), 80)
-    with pytest.raises(ValueError, match="channels, height, width"):
+    with pytest.raises(ModelInputError, match="channels, height, width"):
         build_model("cnn", (64,), 10)
     with pytest.raises(ValueError, match="num_classes"):
         build_model("mlp", (64,), 0)
@@ -310,3 +317,112 @@ def test_flat_buffer_views(name: str, shape: tuple[int, ...], options: dict[str,
         flat.copy_(flat_of(other))
         assert torch.allclose(model(x), other(x), atol=1e-6)
         assert not torch.allclose(model(x), after)
+
+
+# ---------------------------------------------------------------------------- inputs a model cannot train on
+# Each dataset's samples (conf/dataset): shape and dtype, as its source produces them.
+DATASET_SAMPLES: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {
+    "digits": ((1, 8, 8), torch.float32, 10),
+    "synthetic": ((60,), torch.float32, 10),
+    "mnist": ((1, 28, 28), torch.float32, 10),
+    "fashion_mnist": ((1, 28, 28), torch.float32, 10),
+    "femnist": ((1, 28, 28), torch.float32, 62),
+    "cifar10": ((3, 32, 32), torch.float32, 10),
+    "cifar100": ((3, 32, 32), torch.float32, 100),
+    "shakespeare": ((80,), torch.int64, 80),
+}
+# The (model, dataset) pairs that train with each model's default options; every other pair is refused.
+TRAINABLE = {
+    "mlp": {"digits", "synthetic", "mnist", "fashion_mnist", "femnist", "cifar10", "cifar100"},
+    "cnn": {"digits", "mnist", "fashion_mnist", "femnist", "cifar10", "cifar100"},
+    "resnet18": {"mnist", "fashion_mnist", "femnist", "cifar10", "cifar100"},  # BatchNorm: not 8x8 digits
+    "lstm": {"shakespeare"},
+}
+
+
+def test_every_dataset_has_its_samples_listed() -> None:
+    assert {p.stem for p in (CONF_DIR / "dataset").glob("*.yaml")} == set(DATASET_SAMPLES)
+    assert set(TRAINABLE) == set(MODELS)
+
+
+@pytest.mark.parametrize("dataset", sorted(DATASET_SAMPLES))
+def test_model_dataset_pairs_are_accepted_or_refused_with_a_clear_message(dataset: str) -> None:
+    shape, dtype, classes = DATASET_SAMPLES[dataset]
+    dims = "x".join(map(str, shape))
+    for name in sorted(MODELS):
+        if dataset in TRAINABLE[name]:
+            check_model_input(name, shape, classes, dtype, dataset=dataset)
+            continue
+        with pytest.raises(ModelInputError) as err:
+            check_model_input(name, shape, classes, dtype, dataset=dataset)
+        message = str(err.value)
+        assert message.startswith(f"model={name} cannot train on dataset={dataset}, which gives "), message
+        assert f"of shape {dims}:" in message and MODELS[name].accepts in message
+        others = sorted(m for m, ok in TRAINABLE.items() if dataset in ok)
+        assert message.endswith(f"use {' or '.join(f'model={m}' for m in others)} instead"), message
+
+
+def test_resnet18_on_digits_is_refused_when_built() -> None:
+    """The BatchNorm after layer4 sees ceil(H / 8) x ceil(W / 8) maps: 1x1 from 8x8 down, where a
+    one-sample training batch fails; 9 pixels in either direction give 2 values per channel."""
+    with pytest.raises(ModelInputError, match=(
+            r"^model=resnet18 cannot train on samples of shape 1x8x8: a BatchNorm layer would see 1x1 "
+            r"feature maps.*Expected more than 1 value per channel.*use model=cnn or model=mlp instead$")):
+        build_model("resnet18", (1, 8, 8), 10, width=2)
+    for ok in [(1, 9, 9), (1, 8, 9), (3, 9, 8)]:
+        model = build_model("resnet18", ok, 10, width=2)
+        model.train()(torch.zeros(1, *ok))  # the claim the check makes: one sample trains
+    build_model("resnet18", (1, 8, 8), 10, width=2, norm="group")  # GroupNorm has no such limit
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        ResNet18((1, 8, 8), 10, width=2).train()(torch.zeros(1, 1, 8, 8))  # what the check prevents
+
+
+def test_the_dry_run_leaves_model_and_rng_untouched() -> None:
+    """build_model's check runs the model in train mode; BatchNorm statistics, train/eval flags
+    and the RNG must come out as plain construction leaves them (width=3: not checked before)."""
+    torch.manual_seed(5)
+    plain = ResNet18((3, 12, 12), 10, width=3)
+    after_plain = torch.get_rng_state()
+    torch.manual_seed(5)
+    built = build_model("resnet18", (3, 12, 12), 10, width=3)
+    assert torch.equal(torch.get_rng_state(), after_plain)
+    assert all(m.training for m in built.modules())
+    ref = plain.state_dict()
+    for key, value in built.state_dict().items():
+        assert torch.equal(value, ref[key]), key
+    seeded = torch.manual_seed(5).get_state()
+    check_model_input("resnet18", (3, 12, 12), 10, torch.float32, width=5)  # builds its own model
+    assert torch.equal(torch.get_rng_state(), seeded)
+
+
+def test_experiment_build_refuses_an_impossible_pair_before_any_round(tmp_path) -> None:
+    cfg = compose_config("model=resnet18", "dataset=digits", "rounds=1", "num_clients=4", "clients_per_round=2")
+    with pytest.raises(ModelInputError, match=(r"^model=resnet18 cannot train on dataset=digits, which gives "
+                                               r"float samples of shape 1x8x8: a BatchNorm layer.*"
+                                               r"use model=cnn or model=mlp instead$")):
+        build(cfg, tmp_path)
+    assert not (tmp_path / "config.yaml").exists() and not (tmp_path / "partition.npz").exists()
+    # the dataset's dtype is checked too: a token model on float features
+    cfg = compose_config("model=lstm", "dataset=synthetic", "partition=natural", "num_clients=4", "clients_per_round=2")
+    with pytest.raises(ModelInputError, match=r"^model=lstm cannot train on dataset=synthetic.*integer token "
+                                              r"ids.*use model=mlp instead$"):
+        build(cfg)
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")))
+def test_the_experiment_presets_pass_the_check(preset: str) -> None:
+    cfg = compose_config(f"+experiment={preset}")
+    shape, dtype, classes = DATASET_SAMPLES[cfg.dataset.name]
+    check_model_input(cfg.model.name, shape, classes, dtype, dataset=cfg.dataset.name, **options_of(cfg.model))
+
+
+def test_ssgd_refuses_an_impossible_pair_before_training() -> None:
+    from fl_platform.ssgd.config import compose_ssgd_config
+    from fl_platform.ssgd.trainer import TensorData, build_flat_model
+
+    cfg = compose_ssgd_config(["model=mlp", "dataset=shakespeare"])
+    x, y = torch.zeros(4, 80, dtype=torch.long), torch.zeros(4, dtype=torch.long)
+    data = TensorData(x, y, x, y, 80, (80,), vocab=[chr(32 + i) for i in range(80)])
+    with pytest.raises(ModelInputError, match=r"^model=mlp cannot train on dataset=shakespeare, which gives "
+                                              r"token-id samples of shape 80:.*use model=lstm instead$"):
+        build_flat_model(cfg, data, torch.device("cpu"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -39,6 +40,10 @@ class StagedModel(nn.Module):
 
     #: dtype of the model's input; token models override it with ``torch.long``.
     input_dtype: torch.dtype | None = None
+    #: number of axes of one sample the model needs (None: any), checked by ``build_model``.
+    input_rank: ClassVar[int | None] = None
+    #: what the model takes, for the error ``build_model`` raises on inputs it cannot train on.
+    accepts: ClassVar[str] = "float samples"
 
     def __init__(self, stages: Mapping[str, nn.Module], input_shape: Sequence[int]) -> None:
         super().__init__()

@@ -19,6 +19,9 @@ class CNN(StagedModel):
     Stages: ``conv1, ..., convN, flatten, fc, head``.
     """
 
+    input_rank = 3
+    accepts = "float images (channels, height, width): digits 1x8x8, mnist 1x28x28, cifar10 3x32x32"
+
     def __init__(
         self,
         input_shape: Sequence[int],

@@ -37,6 +37,8 @@ class CharLSTM(StagedModel):
     """
 
     input_dtype = torch.long
+    input_rank = 1
+    accepts = "integer token-id sequences (seq_len,), as dataset=shakespeare gives"
 
     def __init__(
         self,

@@ -18,6 +18,9 @@ class MLP(StagedModel):
     the FedProx Synthetic benchmarks.
     """
 
+    accepts = ("float samples of any shape, flattened: feature vectors (synthetic: 60) or images "
+               "(digits: 1x8x8, mnist: 1x28x28, cifar10: 3x32x32)")
+
     def __init__(
         self,
         input_shape: Sequence[int],

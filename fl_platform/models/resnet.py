@@ -55,6 +55,13 @@ class ResNet18(StagedModel):
     Hsieh et al. 2020; it divides every width in use, including FuseFL's 14 and 20).
     """
 
+    input_rank = 3
+    # Three stride-2 stages shrink H to ceil(H / 8): from 8x8 down, layer4's BatchNorm sees 1x1 maps
+    # and a training batch of one sample (a client's last batch) fails.
+    accepts = ("float images (channels, height, width); with norm=batch (the default) at least 9 pixels "
+               "high or wide, e.g. 1x28x28 (mnist, fashion_mnist, femnist) or 3x32x32 (cifar10, cifar100); "
+               "model.norm=group also takes smaller images such as digits' 1x8x8")
+
     def __init__(
         self,
         input_shape: Sequence[int],

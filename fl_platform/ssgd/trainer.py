@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fl_platform.config import options_of
 from fl_platform.datasets.registry import load_source
-from fl_platform.models import build_model
+from fl_platform.models import build_model, check_model_input
 from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
 from fl_platform.seeding import Stream, seed_torch_global
 from fl_platform.ssgd.distributed import DistContext, average_, replica_max_abs_diff, shard_indices
@@ -79,6 +79,8 @@ def build_flat_model(cfg: DictConfig, data: TensorData, device: torch.device) ->
     options = options_of(cfg.model)
     if data.vocab is not None and cfg.model.name == "lstm":
         options["vocab_size"] = len(data.vocab)
+    check_model_input(cfg.model.name, data.input_shape, data.num_classes, data.train_x.dtype,
+                      dataset=cfg.dataset.name, **options)
     seed_torch_global(cfg.seed, Stream.INIT)
     return FlatModel(build_model(cfg.model.name, data.input_shape, data.num_classes, **options), device)
 
