@@ -48,6 +48,10 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    _atomic_write(path, lambda fh: fh.write(data))
+
+
 def atomic_write_json(path: Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(_jsonable(data), indent=2, sort_keys=True) + "\n")
 
