@@ -11,8 +11,8 @@ import torch
 from fl_platform.compression import ErrorFeedback, Layout, RandomK, TopK, VectorCompressor
 from fl_platform.compression.uplink import ROUND_KEY, UplinkCompression, make_uplink
 from fl_platform.core import ClientUpdate, RoundContext
-from fl_platform.rounds.sampling import sample_clients
 from fl_platform.experiment import build, run_experiment
+from fl_platform.rounds.sampling import sample_clients
 from fl_platform.training.flat import FlatModel
 
 SMALL = ["rounds=3", "num_clients=8", "clients_per_round=4", "train.epochs=1", "save_model=false", "seed=1"]
