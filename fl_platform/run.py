@@ -6,11 +6,13 @@ printed is ``run_dir: <path>``; a failed run exits non-zero with the reason on s
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.plugins import Plugins
 from omegaconf import DictConfig
 
 from fl_platform.config import register_configs
@@ -18,6 +20,9 @@ from fl_platform.config import register_configs
 log = logging.getLogger("fl_platform")
 
 register_configs()
+# hydra/launcher=ray_cluster. Hydra finds plugins by scanning the ``hydra_plugins`` package's folders,
+# which an editable install of fl_platform does not expose; registering it here always works.
+Plugins.instance().register(importlib.import_module("hydra_plugins.fl_platform_launcher.ray_cluster").RayClusterLauncher)
 
 
 def _fail(err: BaseException) -> None:

@@ -1,12 +1,16 @@
 #!/usr/bin/env python
-"""Turn run directories into accuracy plots (PNG) and a markdown table (mean and std over seeds).
+"""Turn run directories into accuracy plots (PNG) and a markdown table: per group, the mean over seeds
+with its 95% confidence interval (Student's t over the runs of the group).
 
     python scripts/plot.py multirun/2026-11-30/12-00-00 --out docs/results/example
     python scripts/plot.py outputs/*/* --x bytes_up --metric test_accuracy
 
 Each argument is a run directory (holding summary.json) or a folder searched recursively for
-them. Runs that differ only in ``seed`` form one group (one curve, one table row); the label
-lists the config values that differ between groups.
+them (a sweep's directory, whatever launcher ran it). Runs that differ only in ``seed`` form one
+group (one curve with its 95% band, one table row); the label lists the config values that differ
+between groups. The table gives the final test accuracy and the mean of the last ``--last``
+evaluations (steadier when accuracy swings from round to round); the best accuracy over the test
+evaluations is not reported, since picking it selects on the test set.
 """
 
 from __future__ import annotations
@@ -95,22 +99,38 @@ def _series(run: dict[str, Any], x: str, metric: str) -> tuple[list[float], list
     return xs, ys
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
+def mean_ci(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """(mean, half-width of its ``level`` confidence interval by Student's t); half-width nan for n < 2."""
     if not values:
         return float("nan"), float("nan")
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, float("nan")
+    from scipy.stats import t
+
+    return mean, float(t.ppf(0.5 + level / 2, len(values) - 1)) * statistics.stdev(values) / len(values) ** 0.5
 
 
-def table(groups: dict[str, list[dict[str, Any]]]) -> str:
-    lines = ["| runs | seeds | final test accuracy | best test accuracy | rounds |",
+def last_k_mean(run: dict[str, Any], k: int, metric: str = "test_accuracy") -> float | None:
+    values = [row[metric] for row in run["rows"] if row.get(metric) is not None]
+    return statistics.fmean(values[-k:]) if values else None
+
+
+def _fmt(mean: float, half: float) -> str:
+    if mean != mean:
+        return "-"
+    return f"{100 * mean:.2f} ± {100 * half:.2f}" if half == half else f"{100 * mean:.2f}"
+
+
+def table(groups: dict[str, list[dict[str, Any]]], last: int = 5) -> str:
+    lines = ["Mean over seeds ± half-width of its 95% confidence interval (Student's t); accuracies in %.", "",
+             f"| runs | seeds | final test accuracy | mean of the last {last} evaluations | rounds |",
              "|---|---|---|---|---|"]
     for label, runs in groups.items():
         final = [r["summary"]["final_test_accuracy"] for r in runs if r["summary"].get("final_test_accuracy") is not None]
-        best = [r["summary"]["best_test_accuracy"] for r in runs if r["summary"].get("best_test_accuracy") is not None]
-        fm, fs = _mean_std(final)
-        bm, bs = _mean_std(best)
+        lastk = [v for v in (last_k_mean(r, last) for r in runs) if v is not None]
         rounds = sorted({r["summary"]["rounds"] for r in runs})
-        lines.append(f"| {label} | {len(runs)} | {100 * fm:.2f} ± {100 * fs:.2f} | {100 * bm:.2f} ± {100 * bs:.2f} | "
+        lines.append(f"| {label} | {len(runs)} | {_fmt(*mean_ci(final))} | {_fmt(*mean_ci(lastk))} | "
                      f"{','.join(map(str, rounds))} |")
     return "\n".join(lines) + "\n"
 
@@ -131,10 +151,11 @@ def plot(groups: dict[str, list[dict[str, Any]]], out: Path, x: str, metric: str
         n = min(len(s[0]) for s in series)
         xs = np.mean([s[0][:n] for s in series], axis=0)
         ys = np.array([s[1][:n] for s in series])
-        mean, std = ys.mean(axis=0), ys.std(axis=0)
+        mean = ys.mean(axis=0)
         ax.plot(xs, mean, label=f"{label} (n={len(series)})")
-        if len(series) > 1:
-            ax.fill_between(xs, mean - std, mean + std, alpha=0.2)
+        if len(series) > 1:  # the 95% confidence band of the mean over seeds
+            half = np.array([mean_ci(list(col))[1] for col in ys.T])
+            ax.fill_between(xs, mean - half, mean + half, alpha=0.2)
     ax.set_xlabel(X_AXES.get(x, x))
     ax.set_ylabel(metric.replace("_", " "))
     if title:
@@ -156,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metric", default="test_accuracy")
     ap.add_argument("--x", default="round", choices=sorted(X_AXES), help="x axis")
     ap.add_argument("--title", default=None)
+    ap.add_argument("--last", type=int, default=5, help="evaluations averaged for the table's last-k column")
     args = ap.parse_args(argv)
     paths = find_runs(args.paths)
     if not paths:
@@ -164,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     groups = group_runs([load_run(p) for p in paths])
     out = Path(args.out)
     png = plot(groups, out, args.x, args.metric, args.title)
-    md = table(groups)
+    md = table(groups, args.last)
     table_path = (out.parent if out.suffix else out) / "table.md"
     table_path.write_text(md)
     print(md)
