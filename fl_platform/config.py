@@ -196,6 +196,7 @@ class EngineConf:
     state_dir: str | None = None  # disk/distributed: where client state lives (None: <run dir>/client_state)
     state_backend: str = "disk"  # distributed: what each home worker keeps its clients' state in (memory | disk)
     state_cache_mb: float = 256.0  # disk: RAM for the write-behind LRU cache of client states, per store
+    state_fsync: bool = False  # disk stores: fsync client-state files and folders (survive a machine crash)
     nonfinite: NonFinitePolicy = NonFinitePolicy.fail
     max_restarts: int = 3  # ray: a dead worker is restarted (and its clients rerun) at most this often per round
     scheduler_smoothing: float = 0.5  # weight of the newest round in each worker's runtime estimate

@@ -67,6 +67,10 @@ def validate(cfg: DictConfig) -> None:
         (engine.max_restarts >= 0, "engine.max_restarts", f"must be >= 0, got {engine.max_restarts}"),
         (engine.fault_injection.client is None or enum_value(engine.name) == "ray", "engine.fault_injection",
          "is a test-only fault for Ray workers; it needs engine=ray"),
+        (not engine.state_fsync or engine.state_store == "disk"
+         or (engine.state_store == "distributed" and engine.state_backend == "disk"), "engine.state_fsync",
+         f"needs client-state files (engine.state_store=disk, or distributed with state_backend=disk); got "
+         f"state_store={engine.state_store}, state_backend={engine.state_backend}"),
     ]
     try:
         parse_cohort_size(engine.cohort_size)
@@ -111,7 +115,7 @@ def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
     return ExperimentSetup(
         dataset=data, model=model, algorithm=cfg.algorithm.name, algorithm_conf=algorithm_conf(cfg),
         train=train_config(cfg), seed=cfg.seed, device=engine.device, state_store=engine.state_store,
-        state_options={"cache_mb": engine.state_cache_mb,
+        state_options={"cache_mb": engine.state_cache_mb, "fsync": engine.state_fsync,
                        **({"directory": engine.state_dir} if engine.state_dir else {})},
         nonfinite=enum_value(engine.nonfinite),
         cohort_size=parse_cohort_size(engine.cohort_size),
@@ -154,9 +158,10 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
         checkpointer = Checkpointer(rd.checkpoint, cfg.checkpoint_every)
         if cfg.resume == "never":
             checkpointer.clear()
-        elif checkpointer.latest_round() is not None:
-            check_resumable(cfg, rd.config)
-            ckpt = checkpointer.load()
+        else:
+            if checkpointer.latest_file.exists():
+                check_resumable(cfg, rd.config)
+            ckpt = checkpointer.load()  # an unusable latest checkpoint: the one before, or CheckpointError
     data = load_data(cfg)
     setup = make_setup(cfg, data)
     if rd is not None and setup.state_store != "memory" and "directory" not in setup.state_options:
@@ -190,7 +195,7 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
 RESUME_FREE_KEYS = ("resume", "checkpoint_every", "logger.", "eval_batch_size", "engine.name", "engine.num_workers",
                     "engine.device", "engine.cpus_per_worker", "engine.gpus_per_worker", "engine.threads_per_worker",
                     "engine.max_restarts", "engine.scheduler_smoothing", "engine.address", "engine.fault_injection",
-                    "engine.state_cache_mb", "engine.cohort_size")
+                    "engine.state_cache_mb", "engine.state_fsync", "engine.cohort_size")
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -219,18 +224,20 @@ def run_experiment(cfg: DictConfig, run_dir: Path | str | None = None) -> dict[s
     """Build, run, and write summary.json (and model.pt); returns the summary."""
     t0 = time.perf_counter()
     rd = RunDir(run_dir) if run_dir is not None else None
-    start_round = 0
-    if rd is not None and cfg.resume != "never":
-        start_round = Checkpointer(rd.checkpoint, 0).latest_round() or 0
-    reporter = Reporter(cfg.rounds, start_round=start_round, progress=cfg.logger.progress, wandb=cfg.logger.wandb,
-                        wandb_project=cfg.logger.wandb_project, wandb_mode=cfg.logger.wandb_mode,
-                        run_dir=str(rd.path) if rd else None,
-                        config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
-                        log_every=cfg.logger.log_every)
+    exp = build(cfg, rd.path if rd else None)
+    setup_s = time.perf_counter() - t0
+    try:  # the reporter starts where the resumed run does
+        reporter = Reporter(cfg.rounds, start_round=exp.simulation.start_round, progress=cfg.logger.progress,
+                            wandb=cfg.logger.wandb, wandb_project=cfg.logger.wandb_project,
+                            wandb_mode=cfg.logger.wandb_mode, run_dir=str(rd.path) if rd else None,
+                            config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+                            log_every=cfg.logger.log_every)
+    except BaseException:
+        exp.engine.close()
+        raise
+    exp.simulation.reporter = reporter
     summary: dict[str, Any] = {}
     try:
-        exp = build(cfg, rd.path if rd else None, reporter)
-        setup_s = time.perf_counter() - t0
         try:
             summary = exp.simulation.run()
         finally:

@@ -1,7 +1,9 @@
 """Run-directory files, written so that no result file is ever left half-written.
 
-Whole files go through a temporary file in the same directory and ``os.replace``; metrics are
-appended one complete JSON line per round (and truncated back to a checkpoint on resume).
+Whole files go through a temporary file in the same directory, ``fsync`` and ``os.replace``, and
+the directory is fsynced after the rename, so a written file survives a machine crash as well as a
+killed process; metrics are appended one complete JSON line per round (and truncated back to a
+checkpoint on resume).
 """
 
 from __future__ import annotations
@@ -17,6 +19,17 @@ from typing import IO, Any
 import torch
 
 
+def fsync_dir(path: Path | str) -> None:
+    """Make the entries of directory ``path`` (files created, renamed or removed in it) durable."""
+    if os.name == "nt":  # directories cannot be opened for fsync there; NTFS journals renames
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -30,6 +43,7 @@ def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

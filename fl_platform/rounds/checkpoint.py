@@ -4,27 +4,44 @@ Every ``checkpoint_every`` rounds (and after the last one) the run saves, under
 ``<run dir>/checkpoint/``: the server half's state (global model and e.g. SCAFFOLD's c), the
 engine's scheduler state, the global RNG states, the round index and the metrics rows so far;
 the client-state store is flushed and its writes set aside for that round. Publication is one
-atomic write of ``LATEST``, so a kill at any moment leaves either the previous or the new
-checkpoint, never a mix::
+atomic write of ``LATEST``, so a kill (or a machine crash: files and folders are fsynced) at any
+moment leaves either the previous or the new checkpoint, never a mix::
 
     1. engine.checkpoint_state(tmp, k)   memory stores save into tmp; disk stores flush and set
                                           their writes since the last checkpoint aside for round k
-    2. tmp/state.pt, then rename tmp -> round-<k>
+    2. tmp/state.pt (with the size and sha256 of tmp's other files), then rename
+       tmp -> round-<k> and fsync the checkpoint folder
     3. LATEST <- "round-<k>"              the checkpoint exists from here on
-    4. engine.commit_state(k)            disk stores fold round k's writes into their base
-    5. older round-* folders removed
+    4. round-* folders other than round-<k> and the previous checkpoint round-<j> removed
+    5. engine.commit_state(j)            disk stores fold the writes up to round j into their base
 
-On resume, ``restore`` returns the stores to round k (finishing an interrupted step 4 and dropping
-every write made after the checkpoint), the server and engine load their state, metrics.jsonl is
+The previous checkpoint is kept until the next one is published, and the stores' committed base
+is never ahead of the oldest kept checkpoint (step 5 commits j, not k; step 4 runs first), so the
+stores can return to either.
+
+On resume, ``load`` checks the checkpoint ``LATEST`` names (``state.pt`` loads, the other files
+match their recorded size and hash). When it is unusable (truncated, garbage, missing, or
+``LATEST`` itself unreadable) the bad folder is moved aside to ``bad-round-<k>``, a warning names
+the file and the reason, and the newest earlier checkpoint that checks out is used: the rounds
+after it are trained again. When none is usable, ``load`` raises ``CheckpointError`` naming the
+files and the ways out; nothing is changed then. Before the stores restore round r every other
+round-* folder is removed, because ``restore(r)`` folds the stores' writes up to r into their base,
+after which no earlier checkpoint matches them.
+
+``restore`` returns the stores to round r (finishing an interrupted commit and dropping every
+write made after the checkpoint), the server and engine load their state, metrics.jsonl is
 rewritten from the checkpoint's rows (rows of rounds after it are dropped), and the round loop
-continues at round k + 1. Since every random draw derives from (seed, round, client), the
+continues at round r + 1. Since every random draw derives from (seed, round, client), the
 remaining rounds are exactly those of an uninterrupted run.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import random
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,9 +50,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from fl_platform.outputs import atomic_torch_save, atomic_write_text
+from fl_platform.outputs import atomic_torch_save, atomic_write_text, fsync_dir
+
+log = logging.getLogger("fl_platform")
 
 FORMAT = 1
+_NAME = re.compile(r"round-(\d+)")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from, with what to do about it."""
 
 
 @dataclass
@@ -69,12 +93,26 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _digest(path: Path) -> tuple[int, str]:
+    sha = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            sha.update(chunk)
+    return path.stat().st_size, sha.hexdigest()
+
+
+def _round_of(name: str) -> int | None:
+    match = _NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
 class Checkpointer:
     def __init__(self, directory: Path | str, every: int) -> None:
         if every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {every}")
         self.directory = Path(directory)
         self.every = every
+        self.published: int | None = None  # round of the checkpoint LATEST names (set by load and save)
 
     @property
     def latest_file(self) -> Path:
@@ -83,15 +121,19 @@ class Checkpointer:
     def due(self, rounds_done: int, total_rounds: int) -> bool:
         return self.every > 0 and (rounds_done % self.every == 0 or rounds_done == total_rounds)
 
-    def latest_round(self) -> int | None:
-        """Rounds completed by the published checkpoint, or None."""
-        try:
-            name = self.latest_file.read_text().strip()
-        except FileNotFoundError:
-            return None
-        if not (self.directory / name / "state.pt").exists():
-            raise FileNotFoundError(f"{self.latest_file} names {name}, which is missing or incomplete")
-        return int(name.rsplit("-", 1)[1])
+    def _folders(self) -> dict[int, Path]:
+        if not self.directory.is_dir():
+            return {}
+        found = {_round_of(p.name): p for p in self.directory.iterdir() if p.is_dir()}
+        return {r: p for r, p in found.items() if r is not None}
+
+    def _prune(self, keep: set[int]) -> None:
+        """Remove round-* folders not in ``keep`` and unfinished ``.round-*.tmp`` folders."""
+        for r, path in self._folders().items():
+            if r not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+        for tmp in self.directory.glob(".round-*.tmp"):
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def save(self, round: int, server: dict[str, Any], engine: Any, history: list[dict[str, Any]]) -> Path:
         """Checkpoint after ``round`` rounds (the protocol in the module docstring)."""
@@ -101,28 +143,90 @@ class Checkpointer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         engine.checkpoint_state(tmp, round)
+        files = {p.relative_to(tmp).as_posix(): _digest(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         atomic_torch_save({"format": FORMAT, "round": round, "server": server, "engine": engine.state_dict(),
-                           "history": history, "rng": rng_state()}, tmp / "state.pt")
+                           "history": history, "rng": rng_state(), "files": files}, tmp / "state.pt")
         final = self.directory / name
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        fsync_dir(self.directory)
         atomic_write_text(self.latest_file, name + "\n")
-        engine.commit_state(round)
-        for old in self.directory.glob("round-*"):
-            if old.name != name:
-                shutil.rmtree(old, ignore_errors=True)
+        previous, self.published = self.published, round
+        if previous == round:
+            previous = None
+        self._prune({round} if previous is None else {round, previous})
+        if previous is not None:
+            engine.commit_state(previous)
         return final
 
-    def load(self) -> Checkpoint | None:
-        k = self.latest_round()
-        if k is None:
-            return None
-        path = self.directory / f"round-{k:08d}"
-        data = torch.load(path / "state.pt", weights_only=False)
+    def _read(self, r: int, path: Path) -> Checkpoint:
+        """The checkpoint in ``path``, checked; CheckpointError says what is wrong with it."""
+        state = path / "state.pt"
+        if not state.is_file():
+            raise CheckpointError(f"{state} is missing")
+        try:
+            data = torch.load(state, weights_only=False)
+        except Exception as err:  # whatever the unpickler or zip reader raises means unreadable
+            raise CheckpointError(f"{state} is unreadable ({type(err).__name__}: {err})") from None
+        if not isinstance(data, dict) or "server" not in data:
+            raise CheckpointError(f"{state} is not a checkpoint")
         if data.get("format") != FORMAT:
-            raise ValueError(f"checkpoint {path} has format {data.get('format')}, this code reads {FORMAT}")
-        return Checkpoint(round=data["round"], path=path, server=data["server"], engine=data.get("engine", {}),
+            raise CheckpointError(f"{state} has format {data.get('format')}, this code reads {FORMAT}")
+        if data.get("round") != r:
+            raise CheckpointError(f"{state} is for round {data.get('round')}, its folder says {r}")
+        for rel, (size, sha) in data.get("files", {}).items():
+            f = path / rel
+            if not f.is_file():
+                raise CheckpointError(f"{f} is missing")
+            if _digest(f) != (size, sha):
+                raise CheckpointError(f"{f} is damaged (size or sha256 differs from when it was saved)")
+        return Checkpoint(round=r, path=path, server=data["server"], engine=data.get("engine", {}),
                           history=data.get("history", []), rng=data.get("rng", {}))
+
+    def load(self) -> Checkpoint | None:
+        """The checkpoint to resume from (None: none published), falling back to an earlier one
+        when the latest is unusable; removes every other checkpoint folder (module docstring)."""
+        folders = self._folders()
+        try:
+            text = self.latest_file.read_bytes().decode(errors="replace").strip()
+        except FileNotFoundError:  # nothing published; folders left by a kill before step 3 go
+            self._prune(set())
+            self.published = None
+            return None
+        except OSError as err:
+            text, problems = None, [f"{self.latest_file} is unreadable ({type(err).__name__}: {err})"]
+        else:
+            problems = []
+        named = _round_of(text) if text is not None else None
+        if text is not None and named is None:
+            problems.append(f"{self.latest_file} holds {text[:40]!r}, not a checkpoint name")
+        if named is not None and named not in folders:
+            problems.append(f"{self.latest_file} names {text}, which does not exist")
+        bad: list[Path] = []
+        for r in sorted((r for r in folders if named is None or r <= named), reverse=True):
+            try:
+                ckpt = self._read(r, folders[r])
+            except CheckpointError as err:
+                problems.append(str(err))
+                bad.append(folders[r])
+                continue
+            if problems:
+                log.warning("checkpoint: %s; resuming from %s instead (the rounds after %d are trained again)",
+                            "; ".join(problems), ckpt.path, r)
+                for path in bad:
+                    aside = path.with_name(f"bad-{path.name}")
+                    shutil.rmtree(aside, ignore_errors=True)
+                    os.replace(path, aside)
+                    log.warning("checkpoint: moved the unusable %s to %s", path, aside)
+                atomic_write_text(self.latest_file, ckpt.path.name + "\n")
+            self._prune({r})
+            self.published = r
+            return ckpt
+        raise CheckpointError(
+            f"cannot resume from {self.directory}: {'; '.join(problems)}; no earlier checkpoint is usable. "
+            f"Rerun with resume=never to start over (this deletes {self.directory} and the run's client "
+            f"state); move the folder elsewhere first to keep it.")
 
     def clear(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
+        self.published = None

@@ -19,6 +19,11 @@ rounds <= k (finishing an interrupted commit) and deletes ``pending`` and later 
 states are exactly those of the checkpoint. Several processes may share one directory as long
 as no two write the same client between flushes (the engine guarantees that: a client trains
 once per round).
+
+``fsync=True`` (``engine.state_fsync``) also makes the files survive a machine crash, not only a
+killed process: every state file is fsynced before its rename, and the folders whose entries a
+checkpoint relies on (``pending``'s shards before the rename to ``committing-<round>``, the root
+after it, ``base``'s shards after a commit) are fsynced too.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import numpy as np
 import torch
 
 from fl_platform.algorithms.base import StateSpec
+from fl_platform.outputs import fsync_dir
 from fl_platform.state.store import State, StateStore
 
 _SHARD = 1000
@@ -205,7 +211,12 @@ class DiskStore(StateStore):
         if target.exists():  # a second checkpoint of the same round: fold the new writes in
             self._merge(pending, target)
         else:
+            if self.fsync:
+                for shard in pending.iterdir():
+                    fsync_dir(shard)
             os.replace(pending, target)
+            if self.fsync:
+                fsync_dir(self.root)
         self._rescan()
 
     def commit(self, round: int) -> None:
@@ -241,6 +252,8 @@ class DiskStore(StateStore):
                     f.unlink(missing_ok=True)
                 else:
                     os.replace(f, target / f.name)
+            if self.fsync:
+                fsync_dir(target)
             shard.rmdir()
         shutil.rmtree(src, ignore_errors=True)
 
