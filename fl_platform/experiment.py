@@ -226,7 +226,7 @@ def run_experiment(cfg: DictConfig, run_dir: Path | str | None = None) -> dict[s
     rd = RunDir(run_dir) if run_dir is not None else None
     exp = build(cfg, rd.path if rd else None)
     setup_s = time.perf_counter() - t0
-    try:  # the reporter starts where the resumed run does
+    try:  # the reporter starts where the resumed run does (a wandb run continues: reporting.py)
         reporter = Reporter(cfg.rounds, start_round=exp.simulation.start_round, progress=cfg.logger.progress,
                             wandb=cfg.logger.wandb, wandb_project=cfg.logger.wandb_project,
                             wandb_mode=cfg.logger.wandb_mode, run_dir=str(rd.path) if rd else None,
@@ -237,6 +237,7 @@ def run_experiment(cfg: DictConfig, run_dir: Path | str | None = None) -> dict[s
         raise
     exp.simulation.reporter = reporter
     summary: dict[str, Any] = {}
+    failed = True
     try:
         try:
             summary = exp.simulation.run()
@@ -253,6 +254,7 @@ def run_experiment(cfg: DictConfig, run_dir: Path | str | None = None) -> dict[s
             if cfg.save_model:
                 atomic_torch_save(exp.simulation.eval_model.state_dict(exp.simulation.server.weights), rd.model)
             atomic_write_json(rd.summary, summary)
+        failed = False
     finally:
-        reporter.close(summary)
+        reporter.close(summary, failed=failed)
     return summary

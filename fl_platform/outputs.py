@@ -110,7 +110,8 @@ class MetricsLog:
 
 
 class RunDir:
-    """The files of one run: config.yaml, metrics.jsonl, partition.npz, summary.json, checkpoint/."""
+    """The files of one run: config.yaml, metrics.jsonl, partition.npz, summary.json, checkpoint/,
+    wandb_id (the wandb run a resumed run continues)."""
 
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path).resolve()
@@ -122,3 +123,4 @@ class RunDir:
     summary = property(lambda self: self.path / "summary.json")
     model = property(lambda self: self.path / "model.pt")
     checkpoint = property(lambda self: self.path / "checkpoint")
+    wandb_id = property(lambda self: self.path / "wandb_id")

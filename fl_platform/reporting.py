@@ -1,10 +1,23 @@
-"""Where a run's progress goes: a rich progress bar, log lines, and optional wandb (offline by default)."""
+"""Where a run's progress goes: a rich progress bar, log lines, and optional wandb (offline by default).
+
+A run with a run dir keeps its wandb run id in ``<run dir>/wandb_id``. A resumed run
+(``start_round > 0``) continues that wandb run (``wandb.init(id=..., resume="allow")``), so its
+rounds land in the same run; a run that starts at round 1 gets a new id. Offline, each process
+writes its own ``wandb/offline-run-*`` folder with the same id, and ``wandb sync <run dir>/wandb``
+uploads them into that one run in order. Rounds logged after the checkpoint and before the kill
+are logged again on resume with the same results (the timing fields may differ); wandb keeps
+the first ones.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
+import string
 from typing import Any
+
+from fl_platform.outputs import RunDir, atomic_write_text
 
 log = logging.getLogger("fl_platform")
 
@@ -32,8 +45,9 @@ class Reporter:
             import wandb as wb
 
             os.environ.setdefault("WANDB_SILENT", "true")
-            self._wandb = wb.init(project=wandb_project, mode=wandb_mode, dir=run_dir, config=config,
-                                  name=name, reinit=True)
+            run_id, resume = wandb_run_id(run_dir, start_round)
+            self._wandb = wb.init(project=wandb_project, mode=wandb_mode, dir=run_dir, config=config, name=name,
+                                  id=run_id, resume=resume, reinit="create_new")
 
     def round_done(self, row: dict[str, Any]) -> None:
         acc = row.get("test_accuracy")
@@ -48,7 +62,8 @@ class Reporter:
             self._wandb.log({k: v for k, v in row.items() if isinstance(v, int | float) and v is not None},
                             step=row["round"])
 
-    def close(self, summary: dict[str, Any] | None = None) -> None:
+    def close(self, summary: dict[str, Any] | None = None, failed: bool = False) -> None:
+        """Stop the progress bar and finish the wandb run (marked failed when the run raised)."""
         if self._progress is not None:
             self._progress.stop()
         if self._wandb is not None:
@@ -56,4 +71,18 @@ class Reporter:
                 for k, v in summary.items():
                     if isinstance(v, int | float):
                         self._wandb.summary[k] = v
-            self._wandb.finish()
+            self._wandb.finish(exit_code=1 if failed else 0)
+
+
+def wandb_run_id(run_dir: str | os.PathLike[str] | None, start_round: int) -> tuple[str | None, str | None]:
+    """(id, resume) for ``wandb.init``: the id stored in ``run_dir`` when resuming after round
+    ``start_round`` > 0, else a new id, stored there (no run dir: wandb picks one)."""
+    if run_dir is None:
+        return None, None
+    path = RunDir(run_dir).wandb_id
+    stored = path.read_text().strip() if path.exists() else ""
+    if start_round > 0 and stored:
+        return stored, "allow"
+    run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # wandb's form
+    atomic_write_text(path, run_id + "\n")
+    return run_id, None
