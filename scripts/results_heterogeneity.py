@@ -71,7 +71,8 @@ ABLATIONS: list[tuple[str, str, list[str], str, tuple[str, ...]]] = [
     ("fedimpro_label_size", "fedimpro", ["algorithm.aggregation=label_size"],
      "law-of-total-variance aggregation instead of the uniform mean of client mu/sigma", BOTH),
     ("fedimpro_reference_quirks", "fedimpro", ["algorithm.stats_update=last_batch", "algorithm.sample_from=local"],
-     "the reference's last-minibatch statistics and sampling from the drifting local copy", FMNIST),
+     "the reference's running-average statistics (weight a = min(1, D/5000) = 0.31 per minibatch for D = 1568) "
+     "and sampling from the drifting local copy", FMNIST),
     ("fedimpro_lambda0", "fedimpro", ["algorithm.weight_schedule=constant", "algorithm.constant_weight=0"],
      "control: the sampled-feature term switched off (w_fake = 0), everything else FedImpro's", BOTH),
     ("fedimpro_T500", "fedimpro", ["algorithm.weight_max_rounds=500"],
