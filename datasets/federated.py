@@ -8,12 +8,14 @@ tensor, no per-client host-to-device copy (DESIGN.md section 2).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 from fl_platform.datasets import registry
+from fl_platform.datasets.augment import Augmentation, AugmentConf
 from fl_platform.datasets.partition import PARTITIONERS, Partition, make_partition
 from fl_platform.datasets.source import SourceData
 
@@ -31,12 +33,16 @@ class FederatedDataset:
     input_shape: tuple[int, ...]
     name: str
     vocab: list[str] | None = None
+    augment: Augmentation | None = None  # of training minibatches (dataset.augment); None: off
     _indices: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     @classmethod
-    def from_source(cls, source: SourceData, partition: Partition) -> FederatedDataset:
+    def from_source(cls, source: SourceData, partition: Partition,
+                    augment: AugmentConf | Mapping[str, Any] | None = None) -> FederatedDataset:
         """Wrap a source's arrays (zero-copy) with a partition of its training samples."""
         partition.validate(source.num_train)
+        if isinstance(augment, Mapping):
+            augment = AugmentConf(**augment)
         return cls(
             train_x=torch.from_numpy(np.ascontiguousarray(source.train_x)),
             train_y=torch.from_numpy(np.ascontiguousarray(source.train_y)),
@@ -47,6 +53,8 @@ class FederatedDataset:
             input_shape=tuple(source.input_shape),
             name=source.name,
             vocab=source.vocab,
+            augment=Augmentation.build(augment, source.input_shape, source.train_x.dtype, source.name,
+                                       source.pad_value),
         )
 
     @property
@@ -123,12 +131,14 @@ def build_federated_dataset(
     download: bool = False,
     source_options: dict[str, Any] | None = None,
     partition_options: dict[str, Any] | None = None,
+    augment: AugmentConf | Mapping[str, Any] | None = None,
 ) -> FederatedDataset:
     """Load source ``name`` and partition its training set over ``num_clients`` clients.
 
     ``partition_name`` defaults to ``natural`` for synthetic/femnist/shakespeare and ``iid`` otherwise.
     With ``natural`` each natural group is a client (the first ``num_clients`` groups; all when None),
     and the test set is the union of those groups' test splits. Synthetic gets ``num_clients`` devices.
+    ``augment`` (``dataset.augment``) augments training minibatches (datasets/augment.py).
     """
     src_opts = dict(source_options or {})
     part_opts = dict(partition_options or {})
@@ -154,4 +164,4 @@ def build_federated_dataset(
     )
     if partition_name == "natural":
         source = _select_groups(source, partition.num_clients)
-    return FederatedDataset.from_source(source, partition)
+    return FederatedDataset.from_source(source, partition, augment)

@@ -34,6 +34,9 @@ class SourceData:
     vocab: list[str] | None = None
     group_names: list[str] | None = None
     class_names: list[str] | None = None
+    # Image sources: the features of a background (raw 0, black) pixel per channel, what crop
+    # padding fills with (augment.py); None: 0.0 in every channel.
+    pad_value: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         self.train_y = np.asarray(self.train_y, dtype=np.int64)
@@ -98,3 +101,11 @@ def standardize(
     images -= m
     images /= s
     return images
+
+
+def standardized_value(
+    raw: float, mean: Sequence[float], std: Sequence[float], normalize: bool = True
+) -> tuple[float, ...]:
+    """Per channel, the feature value ``standardize`` gives a pixel of value ``raw`` (bit-exact)."""
+    pixel = np.full((1, len(mean), 1, 1), raw, dtype=np.float32)
+    return tuple(float(v) for v in standardize(pixel, mean, std, normalize).reshape(-1))

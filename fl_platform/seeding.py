@@ -18,11 +18,12 @@ class Stream(enum.IntEnum):
     INIT = 0  # global model initialisation
     SAMPLING = 1  # which clients take part in a round
     SHUFFLE = 2  # a client's minibatch order
-    TORCH = 3  # torch's global RNG inside a client's training (dropout, augmentation, noise)
+    TORCH = 3  # torch's global RNG inside a client's training (dropout, an algorithm's noise)
     ALGORITHM = 4  # algorithm-specific draws (e.g. privacy noise, synthetic data)
     COMPRESSION = 5  # random-k indices, stochastic quantisation
     SYSTEM = 6  # simulated client speeds and bandwidths
     FAULT = 7
+    AUGMENT = 8  # crops and flips of a client's training minibatches (datasets/augment.py)
 
 
 # numpy's SeedSequence hash constants (numpy/random/bit_generator.pyx).

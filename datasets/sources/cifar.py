@@ -21,7 +21,7 @@ from typing import Any, Literal
 import numpy as np
 from fl_platform.datasets.download import fetch
 from fl_platform.datasets.paths import DatasetNotFoundError, data_root
-from fl_platform.datasets.source import SourceData, standardize
+from fl_platform.datasets.source import SourceData, standardize, standardized_value
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
@@ -140,6 +140,7 @@ def load_cifar10(
         num_classes=10,
         input_shape=(3, 32, 32),
         name="cifar10",
+        pad_value=standardized_value(0.0, CIFAR10_MEAN, CIFAR10_STD, normalize),
         class_names=_names(meta, "label_names"),
     )
 
@@ -170,5 +171,6 @@ def load_cifar100(
         num_classes=100 if label_mode == "fine" else 20,
         input_shape=(3, 32, 32),
         name="cifar100" if label_mode == "fine" else "cifar100_coarse",
+        pad_value=standardized_value(0.0, CIFAR100_MEAN, CIFAR100_STD, normalize),
         class_names=_names(meta, f"{label_mode}_label_names"),
     )

@@ -7,7 +7,7 @@ import importlib.util
 from pathlib import Path
 
 import numpy as np
-from fl_platform.datasets.source import SourceData, standardize
+from fl_platform.datasets.source import SourceData, standardize, standardized_value
 
 # Mean/std of all 1797 images after /16; fixed so the features never depend on the split.
 MEAN = (0.30526,)
@@ -79,5 +79,6 @@ def load_digits(
         num_classes=10,
         input_shape=(1, 8, 8),
         name="digits",
+        pad_value=standardized_value(0.0, MEAN, STD, normalize),
         class_names=[str(d) for d in range(10)],
     )

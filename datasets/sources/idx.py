@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from fl_platform.datasets.download import fetch
 from fl_platform.datasets.paths import DatasetNotFoundError, data_root
-from fl_platform.datasets.source import SourceData, standardize
+from fl_platform.datasets.source import SourceData, standardize, standardized_value
 
 IDX_DTYPES: dict[int, np.dtype] = {
     0x08: np.dtype(np.uint8),
@@ -180,6 +180,7 @@ def _load_idx_dataset(
         num_classes=10,
         input_shape=images["train"].shape[1:],
         name=name,
+        pad_value=standardized_value(0.0, spec.mean, spec.std, normalize),
     )
 
 

@@ -19,7 +19,7 @@ from typing import IO, Any
 
 import numpy as np
 from fl_platform.datasets.paths import DatasetNotFoundError, data_root
-from fl_platform.datasets.source import SourceData, standardize
+from fl_platform.datasets.source import SourceData, standardize, standardized_value
 
 # FEMNIST pixel statistics after inversion (ink = 1), computed once on the 14,708 train images of the
 # LEAF sample in shared/data; fixed so features never depend on which writers a run loads.
@@ -254,6 +254,7 @@ def load_femnist(
         train_groups=train_groups,
         test_groups=test_groups,
         group_names=names,
+        pad_value=standardized_value(0.0 if invert else 1.0, mean, FEMNIST_STD, normalize),  # the background
         class_names=[str(d) for d in range(10)]
         + [chr(c) for c in range(65, 91)]
         + [chr(c) for c in range(97, 123)],

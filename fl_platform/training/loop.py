@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from fl_platform.core import Metrics
+from fl_platform.datasets.augment import Augmentation
 from fl_platform.seeding import Stream, seed_torch_global, torch_generator
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.hooks import Batch, TrainHooks
@@ -50,11 +51,13 @@ class TrainConfig:
 
 @dataclass
 class ClientData:
-    """A client's view of the federated dataset: shared device tensors plus its index slice."""
+    """A client's view of the federated dataset: shared device tensors plus its index slice, and the
+    data set's augmentation of training minibatches (None: none)."""
 
     x: torch.Tensor
     y: torch.Tensor
     indices: torch.Tensor
+    augment: Augmentation | None = None
 
     @property
     def num_samples(self) -> int:
@@ -99,6 +102,8 @@ class LocalTrainer:
         bs = cfg.batch_size
         gen = torch_generator(seed, Stream.SHUFFLE, round, client)
         seed_torch_global(seed, Stream.TORCH, round, client)
+        aug = data.augment
+        aug_key = aug.client_keys(seed, round, [client], data.x.device) if aug is not None else None
         loss_sum = torch.zeros((), device=fm.device)
         correct = torch.zeros((), device=fm.device, dtype=torch.long)
         seen = 0
@@ -113,7 +118,10 @@ class LocalTrainer:
                 if step >= total_steps:
                     break
                 idx = order[start : start + bs]
-                batch = Batch(data.x.index_select(0, idx), data.y.index_select(0, idx), step, epoch)
+                xb = data.x.index_select(0, idx)
+                if aug is not None:
+                    xb = aug.apply(xb, aug_key, step)
+                batch = Batch(xb, data.y.index_select(0, idx), step, epoch)
                 fm.grad.zero_()
                 loss, logits = hooks.loss(model, batch)
                 loss.backward()

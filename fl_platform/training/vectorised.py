@@ -13,6 +13,8 @@ flat parameter vectors stacked as the rows of one ``(K, D)`` tensor, with the st
   masked by never being touched again. A client whose batch is shorter than the others' (the
   end of an epoch) is padded with zero-weight copies of its own samples, or, for BatchNorm models
   (whose statistics would see the padding), its step runs with the other clients of its batch size;
+* the data set's augmentation (datasets/augment.py) draws each client's crops and flips from
+  (seed, round, client, step, position), so a client's augmented batch is the loop's, bit for bit;
 * hooks' gradient corrections, per-client gradient clipping, SGD (momentum, weight decay,
   Nesterov) and Adam are applied row-wise with the same operations;
 * the same metrics (train_loss, train_accuracy, local_steps as (sum, count)) and the same
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 
 from fl_platform.core import Metrics
+from fl_platform.datasets.augment import Augmentation
 from fl_platform.seeding import Stream, derive_seeds
 from fl_platform.training.allocator import keep_freed_blocks
 from fl_platform.training.flat import FlatModel
@@ -159,8 +162,9 @@ class CohortTrainer:
             return []
         cfg, fm, fn = self.cfg, self.fm, self.fn
         x, y = members[0].data.x, members[0].data.y
-        if any(m.data.x is not x or m.data.y is not y for m in members):
-            raise NotVectorisable("the clients of one cohort do not share one training tensor")
+        aug = members[0].data.augment
+        if any(m.data.x is not x or m.data.y is not y or m.data.augment is not aug for m in members):
+            raise NotVectorisable("the clients of one cohort do not share one training tensor and augmentation")
         reason = self.unsupported_reason(x, y)
         if reason is not None:
             raise NotVectorisable(reason)
@@ -193,6 +197,7 @@ class CohortTrainer:
         correct = torch.zeros(k_all, dtype=torch.long, device=device)
         seen = np.zeros(k_all, dtype=np.int64)
         cols = torch.arange(bs, device=device)
+        aug_keys = aug.client_keys(seed, round, [m.client_id for m in ordered], device) if aug is not None else None
 
         for s in range(int(plan.steps.max(initial=0))):
             k = int(np.count_nonzero(plan.steps > s))  # the clients still training: a prefix
@@ -205,14 +210,15 @@ class CohortTrainer:
             idx = shuffled[:k].gather(1, pos)
             rows = params[:k]
             live = {name: t[:k] for name, t in buffers.items()}
+            augment = (aug, aug_keys[:k], s) if aug is not None else None
             if int(batch.min()) == b:
-                g, loss, hits = fn.grads(rows, live, *self._gather(x, y, idx))
+                g, loss, hits = fn.grads(rows, live, *self._gather(x, y, idx, augment))
             elif fn.can_pad:
                 valid = cols[:b] < torch.from_numpy(batch).to(device)[:, None]
                 idx = torch.where(valid, idx, idx[:, :1])
-                g, loss, hits = fn.grads(rows, live, *self._gather(x, y, idx), valid.to(rows.dtype))
+                g, loss, hits = fn.grads(rows, live, *self._gather(x, y, idx, augment), valid.to(rows.dtype))
             else:
-                g, loss, hits = self._grads_by_batch_size(rows, live, x, y, idx, batch)
+                g, loss, hits = self._grads_by_batch_size(rows, live, x, y, idx, batch, augment)
             slots = layout.views(params, k)
             for term in terms:
                 term.apply(g, slots, layout, k)
@@ -296,10 +302,16 @@ class CohortTrainer:
                  torch.from_numpy(cols).to(device)] = own_rows[source]
 
     @staticmethod
-    def _gather(x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor,
+                augment: tuple[Augmentation, torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``idx`` (k x b) of ``x`` and ``y``; ``augment`` = (augmentation, the k rows' keys, step)."""
         k, b = idx.shape
         flat = idx.reshape(-1)
-        return x.index_select(0, flat).view(k, b, *x.shape[1:]), y.index_select(0, flat).view(k, b)
+        xs = x.index_select(0, flat).view(k, b, *x.shape[1:])
+        if augment is not None:
+            aug, keys, step = augment
+            xs = aug.apply_cohort(xs, keys, step)
+        return xs, y.index_select(0, flat).view(k, b)
 
     @staticmethod
     def _finite_rows(vectors: torch.Tensor) -> list[bool]:
@@ -312,7 +324,8 @@ class CohortTrainer:
         return finite.tolist()
 
     def _grads_by_batch_size(self, rows: torch.Tensor, buffers: dict[str, torch.Tensor], x: torch.Tensor,
-                             y: torch.Tensor, idx: torch.Tensor, batch: np.ndarray):
+                             y: torch.Tensor, idx: torch.Tensor, batch: np.ndarray,
+                             augment: tuple[Augmentation, torch.Tensor, int] | None = None):
         """One vmapped call per batch size (for models whose batch statistics padding would change)."""
         k = rows.shape[0]
         g = [rows.new_empty(k, n) for _, n in self.fn.layout.spans]
@@ -321,7 +334,8 @@ class CohortTrainer:
         for b in np.unique(batch):
             sel = torch.from_numpy(np.nonzero(batch == b)[0]).to(rows.device)
             sub = {name: t.index_select(0, sel) for name, t in buffers.items()}
-            gs, ls, hs = self.fn.grads(rows.index_select(0, sel), sub, *self._gather(x, y, idx[sel, : int(b)]))
+            part = None if augment is None else (augment[0], augment[1][sel], augment[2])
+            gs, ls, hs = self.fn.grads(rows.index_select(0, sel), sub, *self._gather(x, y, idx[sel, : int(b)], part))
             for full, part in zip(g, gs):
                 full[sel] = part
             loss[sel], hits[sel] = ls, hs
