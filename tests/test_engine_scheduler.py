@@ -1,12 +1,19 @@
-"""Scheduler: LPT with measured per-worker speeds, bounded EMA, home-worker preference."""
+"""Scheduler: LPT with measured per-worker speeds, bounded EMA, home-worker preference; round-robin;
+end to end with one worker slowed (test-only knob): LPT learns it and shortens the round, results unchanged."""
 
 from __future__ import annotations
+
+import statistics
 
 import numpy as np
 import pytest
 
 from fl_platform.engine.scheduler import RuntimeModel, Scheduler, lpt_assign, work_units
+from fl_platform.experiment import build
 from fl_platform.training.loop import TrainConfig
+
+from .conftest import compose_config
+from .test_engine_faults import results, run
 
 
 def test_lpt_balances_equal_workers_and_is_deterministic():
@@ -93,3 +100,106 @@ def test_scheduler_keeps_most_clients_home_when_balance_allows():
     assert abs(len(plan.assignment[0]) - len(plan.assignment[1])) <= 1
     stats = sched.record(plan, [dict.fromkeys(part, 0.01) for part in plan.assignment], [0.18, 0.17])
     assert stats["sched_moved_clients"] == moved
+
+
+def test_round_robin_ignores_speeds_and_predicts_its_makespan():
+    sizes = np.full(40, 10)
+    sched = Scheduler(2, sizes, TrainConfig(epochs=1, batch_size=10), policy="round_robin")
+    clients = [7, 3, 9, 1, 4]
+    plan = sched.plan(clients)
+    assert plan.assignment == [[7, 9, 4], [3, 1]] and plan.work == [30.0, 20.0]
+    sched.record(plan, [dict.fromkeys(plan.assignment[0], 0.01), dict.fromkeys(plan.assignment[1], 0.04)],
+                 [0.03, 0.08])  # worker 1 measured 4x slower: round-robin does not care...
+    plan2 = sched.plan(clients)
+    assert plan2.assignment == plan.assignment
+    assert plan2.predicted_makespan == pytest.approx(0.08)  # ...but still predicts its makespan
+    with pytest.raises(ValueError, match=r"engine\.scheduler"):
+        Scheduler(2, sizes, TrainConfig(), policy="fastest")
+
+
+# ----------------------------------------------------------------------------- end to end
+
+# Devices of 100-200 samples, 4 local epochs: a client trains for about 10 ms, long against the
+# per-client overhead and the time slices of a loaded machine, so the measured speeds reflect the work.
+# Worker 1 is slowed 3x (a sleep after each of its clients).
+SLOW_RUN = ("dataset=synthetic", "partition=natural", "model=mlp", "dataset.min_size=100", "dataset.max_size=200",
+            "num_clients=60", "clients_per_round=20", "rounds=6", "eval_every=6", "train.epochs=4",
+            "train.batch_size=10", "save_model=false", "engine.threads_per_worker=1")
+SLOWED = ("engine.num_workers=2", "engine.fault_injection.slow_worker=1", "engine.fault_injection.slow_factor=3")
+MEAN_WORK = 4 * 150  # samples a mean client processes
+
+
+def _run(*overrides: str):
+    return run(*SLOW_RUN, *overrides)  # (SLOW_RUN sets every key of run's defaults again)
+
+
+def _interleaved(*variants: tuple[str, ...]) -> list:
+    """Run the variants' rounds alternately (round 1 of each, round 2 of each, ...), so that the
+    machine's load drifts fall on all of them alike; each experiment's ``history`` gets its rows."""
+    exps = [build(compose_config(*SLOW_RUN, *v)) for v in variants]
+    try:
+        for r in range(exps[0].simulation.loop.rounds):
+            for exp in exps:
+                exp.simulation.history.append(exp.simulation.run_round(r))
+    finally:
+        for exp in exps:
+            exp.engine.close()
+    return exps
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    return sum(row[key] for row in rows) / len(rows)
+
+
+def _slow_shares(rows: list[dict]) -> list[float]:
+    """Worker 1's share of each round's samples."""
+    return [row["sched_work"][1] / sum(row["sched_work"]) for row in rows]
+
+
+def test_lpt_learns_a_slow_worker_and_beats_round_robin_without_changing_results():
+    # one worker, nothing slowed | 2 workers, worker 1 slowed 3x, LPT | the same, round-robin
+    reference, lpt, rr = _interleaved((), (*SLOWED, "engine.scheduler=lpt"), (*SLOWED, "engine.scheduler=round_robin"))
+    for exp in (lpt, rr):  # the schedule and the slowdown change timing only
+        assert float((exp.simulation.server.weights - reference.simulation.server.weights).abs().max()) <= 1e-6
+        assert results(exp) == results(reference)
+    # The measured slowdown (3x) is in the runtime model (compared at a mean client: how the fit
+    # splits a client's time between rate and overhead varies from run to run).
+    model = lpt.engine.scheduler.model
+    assert 1.5 <= model.predict(1, MEAN_WORK) / model.predict(0, MEAN_WORK) <= 6
+    lpt_rows, rr_rows = lpt.simulation.history[1:], rr.simulation.history[1:]  # round 1 calibrates
+    assert all("sched_predicted_s" in row and "sched_makespan_s" in row for row in lpt_rows + rr_rows)
+    # LPT gives the slow worker about a quarter of the samples, round-robin about half.
+    assert statistics.fmean(_slow_shares(lpt_rows)) < 0.37
+    assert all(0.35 < share < 0.65 for share in _slow_shares(rr_rows))
+    # Makespans, predicted (each run's learned model) and measured: LPT's about 0.75 x the fast
+    # worker's time for the whole round's work, round-robin's about 1.5 x. Asserted with a wide margin.
+    assert _mean(lpt_rows, "sched_predicted_s") < 0.8 * _mean(rr_rows, "sched_predicted_s")
+    assert _mean(lpt_rows, "sched_makespan_s") < 0.8 * _mean(rr_rows, "sched_makespan_s")
+    for rows in (lpt_rows, rr_rows):  # the model predicts what then happens (loosely: a shared machine)
+        assert 1 / 3 < _mean(rows, "sched_predicted_s") / _mean(rows, "sched_makespan_s") < 3
+
+
+@pytest.mark.ray
+def test_ray_worker_slowed_gets_fewer_samples(ray_session):
+    exp = _run(*SLOWED, "engine=ray", "rounds=3", "eval_every=3")
+    inline = _run(*SLOWED, "rounds=3", "eval_every=3")
+    model = exp.engine.scheduler.model
+    assert model.predict(1, MEAN_WORK) > 1.5 * model.predict(0, MEAN_WORK)
+    assert statistics.fmean(_slow_shares(exp.simulation.history[1:])) < 0.37
+    assert float((exp.simulation.server.weights - inline.simulation.server.weights).abs().max()) <= 1e-6
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    (("engine.fault_injection.slow_factor=3",), "slow_factor"),
+    (("engine.fault_injection.slow_worker=0",), "slow_worker"),
+    (("engine.num_workers=2", "engine.fault_injection.slow_worker=2", "engine.fault_injection.slow_factor=2"),
+     "slow_worker"),
+])
+def test_slow_worker_knob_is_refused_unless_it_acts(overrides, key):
+    with pytest.raises(ValueError, match=rf"engine\.fault_injection\.{key}"):
+        build(compose_config(*SLOW_RUN, *overrides))
+
+
+def test_unknown_scheduler_is_refused():
+    with pytest.raises(Exception, match="fastest"):
+        compose_config(*SLOW_RUN, "engine.scheduler=fastest")

@@ -7,9 +7,18 @@ per-client overhead are measured every round and smoothed by a bounded exponenti
 average: O(1) memory per worker (never a growing history) and a single noisy round can move the
 estimate by at most a fixed factor. Before any measurement all workers count as equally fast.
 
-Longest-processing-time-first: clients in decreasing work order (ties by id), each to the worker
-whose predicted load after taking it is smallest (ties: the client's home worker, then the lowest
-id). Deterministic, and the assignment never changes the round's outcome, only its wall time.
+Policies (``engine.scheduler``):
+
+* ``lpt`` (default), longest-processing-time-first: clients in decreasing work order (ties by id),
+  each to the worker whose predicted load after taking it is smallest (ties: the client's home
+  worker, then the lowest id).
+* ``round_robin``: the i-th sampled client goes to worker ``i mod W``, whatever the measurements.
+  The baseline LPT is measured against, and a placement that is the same in every run (LPT's
+  follows measured timings), e.g. to reproduce which worker trained which client.
+
+Both are deterministic given their inputs and never change the round's outcome, only its wall
+time. Whatever the policy, the runtime model keeps learning and every round reports the predicted
+makespan of the plan next to the measured one.
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fl_platform.training.loop import TrainConfig
+
+POLICIES = ("lpt", "round_robin")
 
 
 def lpt_assign(clients: Sequence[int], work: Sequence[float], seconds_per_unit: Sequence[float],
@@ -46,6 +57,11 @@ def lpt_assign(clients: Sequence[int], work: Sequence[float], seconds_per_unit: 
         loads[best] += cost(best)
         assignment[best].append(c)
     return assignment, loads
+
+
+def round_robin_assign(clients: Sequence[int], num_workers: int) -> list[list[int]]:
+    """The i-th client to worker ``i mod num_workers`` (in the given order)."""
+    return [list(clients[w::num_workers]) for w in range(num_workers)]
 
 
 def work_units(num_samples: int, train: TrainConfig) -> float:
@@ -134,6 +150,7 @@ class RuntimeModel:
 class Plan:
     assignment: list[list[int]]
     predicted: list[float]  # busy seconds per worker
+    work: list[float] = field(default_factory=list)  # work units (samples processed) per worker
 
     @property
     def predicted_makespan(self) -> float:
@@ -141,11 +158,16 @@ class Plan:
 
 
 class Scheduler:
-    """Plans each round with LPT on the measured runtime model and reports how good the plan was."""
+    """Plans each round (LPT on the measured runtime model, or round-robin) and reports how good the
+    plan was: predicted against measured makespan."""
 
     def __init__(self, num_workers: int, sizes: Sequence[int] | Any, train: TrainConfig, *,
                  home: Callable[[int], int] | None = None, transfer_cost: float | None = None,
-                 smoothing: float = 0.5) -> None:
+                 smoothing: float = 0.5, policy: str = "lpt") -> None:
+        policy = str(policy)
+        if policy not in POLICIES:
+            raise ValueError(f"engine.scheduler must be one of {', '.join(POLICIES)}; got {policy!r}")
+        self.policy = policy
         self.num_workers = num_workers
         self.sizes = sizes
         self.train = train
@@ -164,9 +186,16 @@ class Scheduler:
         if transfer is None:  # auto: moving a client must save more than a tenth of an average client
             mean_rate, mean_overhead = sum(rates) / len(rates), sum(overheads) / len(overheads)
             transfer = 0.1 * (mean_rate * sum(work) / max(len(work), 1) + mean_overhead)
-        assignment, loads = lpt_assign(list(clients), work, rates, overheads, home=self.home,
-                                       transfer_cost=transfer if self.home is not None else 0.0)
-        return Plan(assignment, loads)
+        transfer = transfer if self.home is not None else 0.0
+        if self.policy == "lpt":
+            assignment, loads = lpt_assign(list(clients), work, rates, overheads, home=self.home,
+                                           transfer_cost=transfer)
+        else:
+            assignment = round_robin_assign(list(clients), self.num_workers)
+            loads = [sum(self.work(c) * rates[w] + overheads[w]
+                         + (transfer if self.home is not None and self.home(c) != w else 0.0) for c in part)
+                     for w, part in enumerate(assignment)]
+        return Plan(assignment, loads, [sum(self.work(c) for c in part) for part in assignment])
 
     def record(self, plan: Plan, client_seconds: Sequence[Mapping[int, float]],
                busy_seconds: Sequence[float]) -> dict[str, Any]:
@@ -181,6 +210,7 @@ class Scheduler:
             "sched_makespan_s": max(busy) if busy else 0.0,
             "sched_busy_s": busy,
             "sched_balance": max(busy) / mean if mean > 0 else 1.0,
+            "sched_work": list(plan.work),
         }
         if calibrated:  # before the first measurement the "prediction" is in work units, not seconds
             stats["sched_predicted_s"] = plan.predicted_makespan
@@ -195,3 +225,10 @@ class Scheduler:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(state)
+
+
+def check_slow_worker(slow_worker: int | None, num_workers: int) -> None:
+    """Refuse ``engine.fault_injection.slow_worker`` naming a worker the run does not have."""
+    if slow_worker is not None and not 0 <= slow_worker < num_workers:
+        raise ValueError(f"engine.fault_injection.slow_worker={slow_worker} names no worker: the run has "
+                         f"{num_workers} (ids 0..{num_workers - 1})")
