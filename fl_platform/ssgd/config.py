@@ -102,6 +102,9 @@ def validate(cfg: DictConfig) -> None:
         (t.epochs >= 1 or bool(t.steps), "train.epochs", f"must be >= 1 (or set train.steps), got {t.epochs}"),
         (t.steps is None or t.steps >= 1, "train.steps", f"must be >= 1 or null, got {t.steps}"),
         (t.optimizer in ("sgd", "adam"), "train.optimizer", f"must be one of sgd, adam; got {t.optimizer!r}"),
+        (t.shuffle_offset == 0, "train.shuffle_offset",
+         f"is the federated loop's noise-floor control; S-SGD shards every epoch from (seed, SHUFFLE, epoch) "
+         f"and does not take it (leave it at 0), got {t.shuffle_offset}"),
         (cfg.eval_every >= 0, "eval_every", f"must be >= 0, got {cfg.eval_every}"),
         (cfg.log_every_steps >= 0, "log_every_steps", f"must be >= 0, got {cfg.log_every_steps}"),
         (s.backend in ("auto", "gloo", "nccl"), "ssgd.backend", f"must be auto, gloo or nccl; got {s.backend!r}"),

@@ -41,12 +41,22 @@ class TrainConfig:
     adam_eps: float = 1e-8
     clip_norm: float | None = None
     drop_last: bool = False
+    # 0: the run's own minibatch orders; k != 0: the k-th other stream of orders, with the partition,
+    # initial model, client sampling and every other draw unchanged (the noise-floor control of
+    # docs/results/README.md: a paired rerun that differs only in its shuffling).
+    shuffle_offset: int = 0
 
     def num_steps(self, num_samples: int) -> int:
         if self.steps is not None:
             return self.steps
         per_epoch = num_samples // self.batch_size if self.drop_last else math.ceil(num_samples / self.batch_size)
         return self.epochs * max(per_epoch, 0)
+
+
+def shuffle_keys(cfg: TrainConfig) -> tuple[int, ...]:
+    """Extra RNG keys of the minibatch-order stream: none at ``shuffle_offset = 0``, so default runs
+    keep their (seed, SHUFFLE, round, client) orders bit for bit."""
+    return (cfg.shuffle_offset,) if cfg.shuffle_offset else ()
 
 
 @dataclass
@@ -100,7 +110,7 @@ class LocalTrainer:
         n = data.num_samples
         total_steps = cfg.num_steps(n)
         bs = cfg.batch_size
-        gen = torch_generator(seed, Stream.SHUFFLE, round, client)
+        gen = torch_generator(seed, Stream.SHUFFLE, round, client, *shuffle_keys(cfg))
         seed_torch_global(seed, Stream.TORCH, round, client)
         aug = data.augment
         aug_key = aug.client_keys(seed, round, [client], data.x.device) if aug is not None else None

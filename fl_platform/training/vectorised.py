@@ -46,7 +46,7 @@ from fl_platform.training.functional import (
     stack_terms,
 )
 from fl_platform.training.hooks import TrainHooks
-from fl_platform.training.loop import ClientData, NonFiniteError, TrainConfig
+from fl_platform.training.loop import ClientData, NonFiniteError, TrainConfig, shuffle_keys
 
 __all__ = [
     "CohortMember",
@@ -192,7 +192,8 @@ class CohortTrainer:
         shuffled = torch.zeros(k_all, width, dtype=torch.long, device=device)
         own_rows = torch.cat([m.data.indices.to(device) for m in ordered])  # clients' rows, back to back
         generators: list[torch.Generator | None] = [None] * k_all
-        shuffle_seeds = derive_seeds(seed, Stream.SHUFFLE, round, np.array([m.client_id for m in ordered]))
+        shuffle_seeds = derive_seeds(seed, Stream.SHUFFLE, round, np.array([m.client_id for m in ordered]),
+                                     *shuffle_keys(cfg))
         loss_sum = torch.zeros(k_all, device=device)  # float32, as the loop's accumulator
         correct = torch.zeros(k_all, dtype=torch.long, device=device)
         seen = np.zeros(k_all, dtype=np.int64)
