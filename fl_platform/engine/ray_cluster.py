@@ -1,0 +1,103 @@
+"""Joining a Ray cluster and shipping the project's code to its nodes.
+
+``engine.address`` names the cluster (``host:port`` of its head, or ``auto`` for one started on
+this machine with ``ray start``); without it the engine starts a local Ray, unless this process
+already runs one (then it joins that one and leaves it running).
+
+``engine.runtime_env`` is Ray's runtime environment for the run's job:
+
+* ``auto`` (default): when joining a cluster (``engine.address``), ship this checkout (the
+  repository root with ``fl_platform/``, ``algorithms/``, ``datasets/`` and ``conf/``, without
+  virtual environments, git data, outputs, data and results) as the job's ``working_dir``, so that
+  a node needs only Python and the dependencies; the workers import the shipped copy. A local Ray
+  started by the engine runs on this machine, which has the code: nothing is shipped.
+* ``null`` or ``{}``: ship nothing; every node must hold an identical install.
+* a mapping: Ray's ``runtime_env``, merged over the ``auto`` default (its keys replace the
+  default's; ``working_dir: null`` drops the shipped code), e.g. ``{env_vars: {OMP_NUM_THREADS: "1"}}``
+  or ``{pip: [...]}``.
+
+A runtime environment belongs to a job, which the engine creates only when it connects: when Ray
+was initialized before the engine (by this process), a mapping is refused instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: Never shipped (gitignore syntax, relative to the repository root; Ray also honours .gitignore).
+EXCLUDES = ["/.venv/", "/.git/", "/outputs/", "/multirun/", "/runs/", "/wandb/", "/data/", "/docs/results/",
+            "__pycache__/", "*.pyc", "/.pytest_cache/", "/.ruff_cache/", "/.hypothesis/", "*.egg-info/"]
+
+
+def raw_value(cfg: Any, key: str, default: Any = None) -> Any:
+    """``cfg.key`` as set (None stays None), as a plain container."""
+    from omegaconf import DictConfig, OmegaConf
+
+    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+
+
+def default_runtime_env() -> dict[str, Any]:
+    """Ship this checkout (its root keeps the layout ``fl_platform/__init__.py`` mounts), or the
+    installed package when there is no checkout."""
+    import fl_platform
+
+    root = Path(fl_platform.REPO_ROOT)
+    if (root / "pyproject.toml").is_file() and (root / "conf").is_dir() and (root / "fl_platform").is_dir():
+        return {"working_dir": str(root), "excludes": list(EXCLUDES)}
+    return {"py_modules": [str(Path(fl_platform.__file__).parent)]}
+
+
+def runtime_env_for(value: Any, joining: bool) -> dict[str, Any] | None:
+    """The job's runtime_env for ``engine.runtime_env`` = ``value`` (None: none)."""
+    if value is None or (isinstance(value, Mapping) and not value):
+        return None
+    if value == "auto":
+        return default_runtime_env() if joining else None
+    if isinstance(value, Mapping):
+        merged = {**default_runtime_env(), **dict(value)}
+        if merged.get("working_dir") is None and "excludes" not in value:  # nothing left to exclude from
+            merged.pop("excludes", None)
+        return {k: v for k, v in merged.items() if v is not None} or None
+    raise ValueError(f"engine.runtime_env must be auto, null or a mapping (Ray's runtime_env), got {value!r}")
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    try:
+        return socket.gethostbyname(host.removeprefix("ray://")), int(port)
+    except OSError:
+        return None
+
+
+def connect(cfg: Any) -> bool:
+    """Make sure this process is connected to Ray as ``engine.*`` asks; True when the engine started
+    the connection (and must shut it down)."""
+    import ray
+
+    address = raw_value(cfg, "address")
+    setting = raw_value(cfg, "runtime_env", "auto")
+    if ray.is_initialized():
+        if isinstance(setting, Mapping) and setting:
+            raise ValueError("engine.runtime_env is set, but Ray was initialized in this process before the engine "
+                             "and a runtime environment belongs to the job: pass it to ray.init, or let the engine "
+                             "connect (engine.address)")
+        current = ray.get_runtime_context().gcs_address
+        if address not in (None, "auto") and _host_port(address) != _host_port(current):
+            raise ValueError(f"engine.address={address} but this process is already connected to the Ray cluster "
+                             f"at {current}; a process joins one cluster")
+        return False
+    runtime_env = runtime_env_for(setting, joining=address is not None)
+    if runtime_env is not None:
+        log.info("Ray job runtime_env: %s", runtime_env)
+    ray.init(address=address, runtime_env=runtime_env, include_dashboard=False,
+             log_to_driver=False, configure_logging=True, logging_level=logging.WARNING)
+    return True

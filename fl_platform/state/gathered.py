@@ -1,0 +1,49 @@
+"""Client states gathered into a checkpoint folder, whatever held them while the run was going.
+
+The Ray engine keeps states on the nodes of their home workers; a checkpoint gathers them through
+the object store to the driver and writes them here, in parts of bounded size, so a resumed run
+restores them exactly on any set of nodes (and any number of workers: each state goes to its new
+home). The in-process memory stores' checkpoint files (``client_state.pt``, one per home worker
+``client_state-worker-<w>.pt``) hold the same ``{client id: state}`` dictionaries, so either engine
+can resume from the other's checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from fl_platform.state.store import State
+
+FOLDER = "client_state"
+
+
+def part_path(directory: Path, home: int, index: int) -> Path:
+    return Path(directory) / FOLDER / f"part-{home:05d}-{index:06d}.pt"
+
+
+def save_part(directory: Path, home: int, index: int, states: dict[int, State]) -> None:
+    from fl_platform.outputs import atomic_torch_save
+
+    path = part_path(directory, home, index)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_torch_save(states, path)
+
+
+def state_files(directory: Path | None) -> list[Path]:
+    """The files holding a checkpoint's client states: gathered parts, else memory stores' files."""
+    if directory is None:
+        return []
+    d = Path(directory)
+    parts = sorted((d / FOLDER).glob("part-*.pt"))
+    if parts:
+        return parts
+    return sorted(p for p in (d / "client_state.pt", *d.glob("client_state-worker-*.pt")) if p.is_file())
+
+
+def iter_states(files: list[Path]) -> Iterator[dict[int, State]]:
+    """One ``{client id: state}`` dictionary per file (at most one part in memory at a time)."""
+    for path in files:
+        yield torch.load(path, weights_only=True)
