@@ -24,13 +24,14 @@ each choice is a config field, documented in docs/compression.md):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from fl_platform.algorithms.base import (
-    AlgorithmConf,
     AlgorithmSpec,
     ClientAlgorithm,
     ServerAlgorithm,
+    ServerStepConf,
     StateSpec,
 )
 
@@ -46,7 +47,7 @@ REWEIGHTS = ("none", "ratio")
 
 
 @dataclass
-class BAOWConf(AlgorithmConf):
+class BAOWConf(ServerStepConf):
     name: str = "baow"
     rho0: float = 0.01  # keep ratio of the slowest sampled client
     ratio_rule: str = "straggler"  # straggler: rho0 b_k / b_min | budget: rho0 |S| b_k / sum b
@@ -91,6 +92,10 @@ class BAOWClient(ClientAlgorithm):
 
     def state_spec(self) -> dict[str, StateSpec]:
         return {"residual": StateSpec(self.setup.num_params)} if self.cfg.error_feedback else {}
+
+    @classmethod
+    def uploads(cls, cfg: BAOWConf) -> dict[str, str | None]:
+        return {"masked_delta": "n", "mask": "n"}
 
     def contribution_sizes(self) -> dict[str, int]:
         return {"masked_delta": self.setup.vector_size, "mask": self.setup.vector_size}

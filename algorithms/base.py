@@ -28,6 +28,22 @@ class AlgorithmConf:
     """Fields common to every algorithm; each algorithm's schema extends it."""
 
     name: str = "fedavg"
+
+    def inactive_fields(self, run: Any) -> dict[str, str]:
+        """Fields of this schema that have no effect in this run, each with the reason.
+
+        ``run`` is the whole run config (its ``train``, ``compressor``, ``system``, ``rounds``...).
+        ``experiment.validate`` refuses any of these set to a value other than the schema's
+        default, so that no accepted key is silently ignored (e.g. a weight used only under
+        another schedule). The default: every field always acts.
+        """
+        return {}
+
+
+@dataclass
+class ServerStepConf(AlgorithmConf):
+    """Algorithms whose server moves the global model by ``server_lr`` times the aggregated update."""
+
     server_lr: float = 1.0
 
 
@@ -76,6 +92,15 @@ class ClientAlgorithm:
     def __init__(self, cfg: AlgorithmConf, setup: Setup) -> None:
         self.cfg = cfg
         self.setup = setup
+
+    @classmethod
+    def uploads(cls, cfg: AlgorithmConf) -> dict[str, str | None]:
+        """The ``ClientUpdate`` tensors this client half may send, each with the name of the weight
+        that scales it (None: not scaled), for uplink compression (``compressor.tensors`` may name
+        only these; a compressor encodes ``tensor / weight`` and the server gets ``weight * decoded``,
+        so a non-linear compressor such as sign keeps sample weighting). The default is what
+        ``finish`` sends: ``delta`` = n * (trained - start) with weight ``n``."""
+        return {"delta": "n"}
 
     def state_spec(self) -> dict[str, StateSpec]:
         """Per-client state this algorithm keeps across rounds (stored by the state manager)."""

@@ -10,15 +10,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fl_platform.algorithms.base import AlgorithmConf, AlgorithmSpec, ClientAlgorithm, ServerAlgorithm
+from fl_platform.algorithms.base import AlgorithmSpec, ClientAlgorithm, ServerAlgorithm, ServerStepConf
 
 from fl_platform.core import Aggregate, ClientUpdate, RoundContext
 
 
 @dataclass
-class FedAvgConf(AlgorithmConf):
+class FedAvgConf(ServerStepConf):
     name: str = "fedavg"
     server_momentum: float = 0.0
+
+    def inactive_fields(self, run: Any) -> dict[str, str]:
+        if run.rounds == 1:
+            return {"server_momentum": "the velocity first differs from the update in round 2, and rounds=1"}
+        return {}
 
 
 class FedAvgClient(ClientAlgorithm):

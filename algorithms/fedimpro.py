@@ -301,6 +301,12 @@ class FedImproClient(FedAvgClient):
         _check(cfg)
         self.split = _split_of(setup, cfg)
 
+    @classmethod
+    def uploads(cls, cfg: FedImproConf) -> dict[str, str | None]:
+        stats = ("fedimpro_mu", "fedimpro_sigma") if cfg.aggregation == "uniform" else \
+            ("fedimpro_sum", "fedimpro_sumsq", "fedimpro_count")
+        return {"delta": "n", **dict.fromkeys(stats)}
+
     def make_hook(self, ctx: RoundContext, client_id: int, broadcast: Broadcast) -> FedImproHook:
         cfg = self.cfg
         mu, sigma = broadcast.tensors["fedimpro_mu"], broadcast.tensors["fedimpro_sigma"]

@@ -416,6 +416,17 @@ class FuseFLClient(ClientAlgorithm):
         self.plan = FusePlan(setup, cfg)
         self.holdout = HoldoutFilter(cfg.server_fraction, setup.seed)
 
+    @classmethod
+    def uploads(cls, cfg: FuseFLConf) -> dict[str, str | None]:
+        """Block rounds: block (+ adaptor from round 2 with conv1x1, + head in round K); calibration:
+        per-class statistics. Their sizes change from round to round."""
+        names = ["block", "head"]
+        if cfg.adaptor == "conv1x1" and cfg.blocks > 1:
+            names.append("adaptor")
+        if cfg.calibrate:
+            names += ["counts", "means", "covs"]
+        return dict.fromkeys(names)
+
     def state_spec(self) -> dict[str, StateSpec]:
         return self.plan.state_spec()
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 from fl_platform.algorithms.base import (
-    AlgorithmConf,
     AlgorithmSpec,
     ClientAlgorithm,
     LocalPlan,
     ServerAlgorithm,
+    ServerStepConf,
     StateSpec,
 )
 
@@ -28,14 +28,21 @@ from fl_platform.training.hooks import GradientCorrectionHook
 
 
 @dataclass
-class ScaffoldConf(AlgorithmConf):
+class ScaffoldConf(ServerStepConf):
     name: str = "scaffold"
     weighting: str = "samples"  # "samples" (n_k-weighted model delta) or "uniform" (as in the paper)
 
 
 class ScaffoldClient(ClientAlgorithm):
+    @classmethod
+    def uploads(cls, cfg: ScaffoldConf) -> dict[str, str | None]:
+        return {"delta": "n", "delta_c": None}
+
     def state_spec(self) -> dict[str, StateSpec]:
         return {"c": StateSpec(self.setup.num_params)}
+
+    def contribution_sizes(self) -> dict[str, int]:
+        return {"delta": self.setup.vector_size, "delta_c": self.setup.num_params}
 
     def prepare(self, ctx: RoundContext, client_id: int, broadcast: Broadcast, state, data, trainer) -> LocalPlan:
         c = broadcast.tensors["c"]

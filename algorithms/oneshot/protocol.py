@@ -133,6 +133,13 @@ class OneShotClient(ClientAlgorithm):
         super().__init__(cfg, setup)
         self.holdout = HoldoutFilter(cfg.server_fraction, setup.seed)
 
+    @classmethod
+    def uploads(cls, cfg: OneShotConf) -> dict[str, str | None]:
+        return {"weights": None}  # the trained model itself, not an update
+
+    def contribution_sizes(self) -> dict[str, int]:
+        return {"weights": self.setup.vector_size}
+
     def cache_key(self, ctx: RoundContext, client_id: int, weights: torch.Tensor, data: ClientData,
                   trainer: LocalTrainer) -> str:
         """A digest of everything that determines the trained client model."""

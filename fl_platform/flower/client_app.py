@@ -198,7 +198,8 @@ def train_client(msg: Message, context: Context) -> Message:
     if rt.uplink is not None:  # encode, count the payload's bytes, keep what the server decodes
         originals = {k: t.detach().clone() for k, t in update.tensors.items() if k in rt.uplink.names}
         update.state = rt.uplink.merge_state(state, update.state, rt.uplink.apply(ctx, client_id, update, own))
-        payloads = rt.codec.pack(ctx, client_id, originals, own, update.tensors)  # type: ignore[union-attr]
+        payloads = rt.codec.pack(ctx, client_id, originals, own, update.tensors,  # type: ignore[union-attr]
+                                 update.weights)
     if update.state is not None:
         store.put(client_id, update.state)
     update.state = None

@@ -15,6 +15,7 @@ and the client logs why. Either way the server aggregates exactly what the simul
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -38,8 +39,11 @@ class PayloadCodec:
         """The step key the uplink hook encodes ``name`` with (shared draws such as random-k indices)."""
         return Key(ctx.seed, ctx.round, client_id, (self.uplink.names.index(name),))
 
-    def unpack_one(self, ctx: RoundContext, client_id: int, name: str, numel: int, data: bytes) -> torch.Tensor:
-        """The flat tensor the server decodes from ``data`` (raises ValueError on a size mismatch)."""
+    def unpack_one(self, ctx: RoundContext, client_id: int, name: str, numel: int, data: bytes,
+                   scale: float = 1.0) -> torch.Tensor:
+        """The flat tensor the server decodes from ``data`` times the weight ``scale`` that the
+        algorithm applies to it (the hook compresses the unscaled tensor; raises ValueError on a
+        size mismatch)."""
         vc = self.uplink.vector(numel)
         key = self.key(ctx, client_id, name)
         template, _ = vc.encode(torch.zeros(numel), None, key)
@@ -52,25 +56,27 @@ class PayloadCodec:
             pos += n
         if pos != len(data):
             raise ValueError(f"payload of {name!r} has {len(data) - pos} bytes more than its layout")
-        return vc.decode(VectorPayload(parts, template.size), None).reshape(-1)
+        return self.uplink.decode(VectorPayload(parts, template.size), None, scale, torch.zeros(numel))
 
     def pack(self, ctx: RoundContext, client_id: int, originals: dict[str, torch.Tensor],
-             own: dict[str, torch.Tensor] | None, decoded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+             own: dict[str, torch.Tensor] | None, decoded: dict[str, torch.Tensor],
+             weights: Mapping[str, float]) -> dict[str, torch.Tensor]:
         """Payload bytes (uint8 tensors) for the tensors the server can rebuild exactly from them.
 
         ``originals``: the tensors before the uplink hook; ``own``: the hook's state before it ran
-        (as the hook saw it); ``decoded``: the tensors after it (what the server must obtain).
+        (as the hook saw it); ``decoded``: the tensors after it (what the server must obtain);
+        ``weights``: the update's weights (what scales each tensor, see ``UplinkCompression.scale``).
         """
         packed: dict[str, torch.Tensor] = {}
         for name, original in originals.items():
-            vc = self.uplink.vector(original.numel())
             prefix = f"{PREFIX}{name}."
             state = {k[len(prefix):]: v for k, v in own.items() if k.startswith(prefix)} if own else None
-            payload, _ = vc.encode(original.reshape(-1), state or None, self.key(ctx, client_id, name))
+            scale = self.uplink.scale(name, weights)
+            payload, _ = self.uplink.encode(ctx, client_id, name, original, state, scale)
             data = payload.to_bytes()
             target = decoded[name].detach().reshape(-1).cpu()
             try:
-                ok = torch.equal(self.unpack_one(ctx, client_id, name, original.numel(), data).to(target.dtype),
+                ok = torch.equal(self.unpack_one(ctx, client_id, name, original.numel(), data, scale).to(target.dtype),
                                  target)
             except (ValueError, RuntimeError, KeyError) as err:
                 ok, why = False, str(err)
@@ -84,8 +90,9 @@ class PayloadCodec:
         return packed
 
     def unpack(self, ctx: RoundContext, client_id: int, payloads: dict[str, torch.Tensor],
-               shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-        """The decoded tensors of a reply's payloads (ValueError names what does not fit)."""
+               shapes: dict[str, tuple[int, ...]], weights: Mapping[str, float]) -> dict[str, torch.Tensor]:
+        """The decoded tensors of a reply's payloads, scaled by the reply's ``weights`` as the client's
+        hook scaled them (ValueError names what does not fit)."""
         out: dict[str, torch.Tensor] = {}
         for name, data in payloads.items():
             if name not in self.uplink.names:
@@ -94,6 +101,7 @@ class PayloadCodec:
             if shape is None:
                 raise ValueError(f"payload for {name!r} without its shape")
             numel = int(np.prod(shape)) if shape else 1
-            flat = self.unpack_one(ctx, client_id, name, numel, data.to(torch.uint8).numpy().tobytes())
+            flat = self.unpack_one(ctx, client_id, name, numel, data.to(torch.uint8).numpy().tobytes(),
+                                   self.uplink.scale(name, weights))
             out[name] = flat.view(shape)
         return out

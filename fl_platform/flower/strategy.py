@@ -312,7 +312,7 @@ class AlgorithmStrategy(Strategy):
         clash = sorted(set(payloads) & set(update.tensors))
         if clash:
             raise InvalidReply(f"tensors {clash} sent both dense and compressed")
-        update.tensors.update(self.codec.unpack(ctx, update.client_id, payloads, shapes))
+        update.tensors.update(self.codec.unpack(ctx, update.client_id, payloads, shapes, update.weights))
 
     @staticmethod
     def consensus(ctx: RoundContext, candidates: list[ClientUpdate], rejected: dict[int, str]) -> list[ClientUpdate]:
