@@ -58,6 +58,18 @@ class BAOWConf(ServerStepConf):
     error_feedback: bool = False  # client residual accumulation (not confirmed in the paper)
     bcrs_reweight: str = "none"  # none: p_k ~ n_k | ratio: p_k ~ n_k rho_k
 
+    def inactive_fields(self, run: Any) -> dict[str, str]:
+        out: dict[str, str] = {}
+        if self.aggregation == "plain":
+            out["gamma_max"] = "it caps OPWA's amplification, and aggregation=plain"
+        system = run.get("system")
+        if system is None or system.name == "none":
+            why = "without a system model every client's bandwidth is equal, so every keep ratio is rho0"
+            out.update(ratio_rule=why, bcrs_reweight=why)
+        if run.rounds == 1:
+            out["error_feedback"] = "the residual enters a client's second upload, and rounds=1"
+        return out
+
 
 def _check(cfg: BAOWConf) -> None:
     if not 0 < cfg.rho0 <= 1:

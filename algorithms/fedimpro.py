@@ -73,6 +73,16 @@ class FedImproConf(FedAvgConf):
     sample_from: str = "global"  # global | local (reference quirk: the client's drifting copy)
     privacy_noise_std: float = 0.0  # std of Gaussian noise on uploaded mu/sigma (reference: 0.001 when on)
 
+    def inactive_fields(self, run: Any) -> dict[str, str]:
+        out = super().inactive_fields(run)
+        if self.weight_schedule != "constant":
+            out["constant_weight"] = f"w_fake of weight_schedule=constant, and weight_schedule={self.weight_schedule}"
+            if run.rounds == 1:
+                out["weight_max_rounds"] = "round 1's weights r / T are the same for every T, and rounds=1"
+        else:
+            out["weight_max_rounds"] = "T of the gradual schedules, and weight_schedule=constant"
+        return out
+
 
 def _check(cfg: FedImproConf) -> None:
     choices = {"weight_schedule": SCHEDULES, "aggregation": AGGREGATIONS, "stats_update": STATS_UPDATES,

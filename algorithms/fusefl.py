@@ -84,6 +84,15 @@ class FuseFLConf(AlgorithmConf):
     # Share of the training set no client trains on (set to the one-shot methods' value to compare).
     server_fraction: float = 0.0
 
+    def inactive_fields(self, run: Any) -> dict[str, str]:
+        out: dict[str, str] = {}
+        if not self.calibrate:
+            out.update(dict.fromkeys(("calibration", "sample_per_class", "calibration_lr", "calibration_batch_size"),
+                                     "a setting of the classifier calibration, and calibrate=false"))
+        if self.blocks == 1:
+            out.update(adaptor="with one block no level sits behind an adaptor", cuts="one block has no cut")
+        return out
+
 
 # ---------------------------------------------------------------------------- flat pieces
 

@@ -22,6 +22,7 @@ only ``p > C``; ``predshift_strict`` reproduces that). No per-client state; summ
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,20 @@ class VHLConf(FedAvgConf):
     style_std: float = 0.3  # s_std: per-sample std around the class's style mean
     noise_weight: float = 0.0  # 0 = the reference's zero-initialised NoiseInjection (noise has no effect)
     predshift_strict: bool = False  # reference quirk: map only pred > C (not pred >= C) back
+
+    def inactive_fields(self, run: Any) -> dict[str, str]:
+        out = super().inactive_fields(run)
+        if not (self.align_weight or self.noise_supcon_weight or self.domain_weight):
+            out["align_local_epochs"] = ("it limits the feature terms, and align_weight, noise_supcon_weight and "
+                                         "domain_weight are all 0")
+        off = self.align_local_epochs <= 0
+        if off or not (self.align_weight or self.noise_supcon_weight):
+            out["temperature"] = ("the SupCon temperature, and " + ("align_local_epochs <= 0" if off else
+                                  "align_weight = noise_supcon_weight = 0"))
+        if off or not self.align_weight:
+            out["feature_detach"] = ("it acts inside the alignment term, and " + ("align_local_epochs <= 0" if off
+                                     else "align_weight=0"))
+        return out
 
 
 def _num_virtual(cfg: VHLConf, num_classes: int) -> int:

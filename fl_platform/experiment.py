@@ -78,9 +78,66 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(str(err)) from None
     if "alpha" in cfg.partition:
         checks.append((cfg.partition.alpha > 0, "partition.alpha", f"must be > 0, got {cfg.partition.alpha}"))
+    train = cfg.train
+    checks.append((not train.nesterov or train.optimizer != "sgd" or train.momentum > 0, "train.nesterov",
+                   f"needs train.momentum > 0, got momentum={train.momentum}"))
     for ok, key, message in checks:
         if not ok:
             raise ConfigError(f"{key} {message}")
+    check_effective(cfg)
+
+
+def train_inactive(train: TrainConfig) -> dict[str, str]:
+    """Local-training fields that the chosen optimizer does not read (field -> why)."""
+    if train.optimizer == "sgd":
+        return dict.fromkeys(("adam_beta1", "adam_beta2", "adam_eps"), "an Adam setting, and train.optimizer=sgd")
+    return dict.fromkeys(("momentum", "nesterov"), f"an SGD setting, and train.optimizer={train.optimizer}")
+
+
+def _field(conf: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        conf = getattr(conf, part)
+    return conf
+
+
+def refuse_inactive(section: str, conf: Any, default: Any, inactive: dict[str, str]) -> None:
+    """ConfigError for the first field in ``inactive`` (field -> why it has no effect) whose value in
+    ``conf`` differs from ``default``'s: a key that would be silently ignored."""
+    for key, why in inactive.items():
+        value, base = _field(conf, key), _field(default, key)
+        if value != base:
+            raise ConfigError(f"{section}.{key}={value!r} has no effect in this run: {why} (leave it at {base!r})")
+
+
+def check_effective(cfg: DictConfig) -> None:
+    """Refuse, naming the key, a setting that this run would silently ignore: a field that only acts
+    under another option (``train.adam_beta1`` with ``optimizer=sgd``, ``algorithm.constant_weight``
+    with a gradual schedule, ``system.trace`` without ``system=trace``) set away from its default,
+    or a compressor whose ``tensors`` are not among what the algorithm uploads."""
+    from fl_platform.compression.registry import COMPRESSORS, conf_of
+    from fl_platform.compression.uplink import check_compressor
+    from fl_platform.system.config import SystemConf
+    from fl_platform.system.model import system_conf
+
+    train = train_config(cfg)
+    refuse_inactive("train", train, TrainConfig(), train_inactive(train))
+    spec = get_algorithm(cfg.algorithm.name)
+    alg = algorithm_conf(cfg)
+    refuse_inactive("algorithm", alg, spec.conf(), alg.inactive_fields(cfg))
+    if cfg.get("compressor") is not None:
+        try:
+            comp = conf_of(cfg.compressor)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        refuse_inactive("compressor", comp, COMPRESSORS[comp.name][0](), comp.inactive_fields(cfg.rounds))
+        try:
+            check_compressor(comp, spec.client.uploads(alg), cfg.algorithm.name,
+                             getattr(spec.client, "compresses_uplink", False))
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    if cfg.get("system") is not None:
+        system = system_conf(cfg.system)
+        refuse_inactive("system", system, SystemConf(), system.inactive_fields())
 
 
 def train_config(cfg: DictConfig) -> TrainConfig:

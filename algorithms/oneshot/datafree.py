@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +84,25 @@ class DataFreeConf(OneShotConf):
     # Input range of the teachers (normalised black and white); None: the training data's range.
     input_low: float | None = None
     input_high: float | None = None
+
+    def inactive_fields(self, run: Any) -> dict[str, str]:
+        out: dict[str, str] = {}
+        if self.epochs < 2:
+            one = "it acts from the second epoch on, and epochs=1"
+            out.update(reweight=one, kd_cosine=one)
+        if not self.reweight or self.epochs < 2:
+            out.update(dict.fromkeys(("reweight_mu", "reweight_delta", "reweight_steps"),
+                                     "a setting of ensemble reweighting, which is off (reweight=false or epochs=1)"))
+        if not self.lambda_adv:
+            out.update(dict.fromkeys(("adv_temperature", "adv_mask"), "a setting of the adversarial term, and lambda_adv=0"))
+        if not self.ods_eta:
+            out["ods_temperature"] = "a setting of the diverse-sample perturbation, and ods_eta=0"
+        if self.input_low is None or self.input_high is None:
+            both = "the input range is used only when input_low and input_high are both set"
+            out.update(input_low=both, input_high=both)
+        if self.pool_batches is not None and self.pool_batches >= self.epochs:
+            out["pool_batches"] = f"the pool never holds more than epochs={self.epochs} batches"
+        return out
 
 
 class Generator(nn.Module):
@@ -191,6 +211,12 @@ class DataFreeServer(OneShotServer):
         super().__init__(cfg, setup, initial_weights)
         with torch.random.fork_rng(devices=[]):
             Generator(cfg.nz, cfg.ngf, setup.input_shape)  # fail now on inputs it cannot synthesise
+            has_bn = any(isinstance(m, nn.BatchNorm2d) for m in setup.model_fn().modules())
+        default_bn = type(cfg)().lambda_bn
+        if not has_bn and cfg.lambda_bn != default_bn:
+            raise ValueError(f"algorithm.lambda_bn={cfg.lambda_bn} has no effect: the BN term matches the client "
+                             f"models' BatchNorm2d statistics and this model has none (leave it at {default_bn}, or "
+                             "use a model with BatchNorm, e.g. model=cnn model.norm=batch)")
         self.ensemble_weights: torch.Tensor | None = None
 
     def input_range(self) -> tuple[torch.Tensor, torch.Tensor]:

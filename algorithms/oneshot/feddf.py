@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from fl_platform.algorithms.base import AlgorithmSpec
@@ -48,6 +49,15 @@ class FedDFConf(OneShotConf):
     patience: int = 1000  # steps without a validation gain before stopping (0: never stop early)
     val_fraction: float = 0.2  # labelled share of the server split used for early stopping (0: none)
     student_init: str = "fedavg"  # fedavg or fresh
+
+    def inactive_fields(self, run: Any) -> dict[str, str]:
+        out: dict[str, str] = {}
+        if self.val_fraction == 0:
+            out.update(dict.fromkeys(("eval_every", "patience"), "validation-based early stopping, and val_fraction=0"))
+        if self.steps == 0:
+            out.update(dict.fromkeys(("batch_size", "lr", "temperature", "eval_every", "patience"),
+                                     "a setting of the distillation steps, and steps=0"))
+        return out
 
 
 def split_server_data(num: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,15 +34,33 @@ class CompressorConf:
     # FL: the ClientUpdate tensors to compress; the others travel dense (and are counted so).
     tensors: list[str] = field(default_factory=lambda: ["delta"])
 
+    def inactive_fields(self, rounds: int | None = None) -> dict[str, str]:
+        """Fields that have no effect with the other settings (field -> why), for a run of ``rounds``
+        rounds; the FL config check refuses them when they differ from the option's default."""
+        out: dict[str, str] = {}
+        if self.scope != "bucket":
+            out["bucket_size"] = f"it sizes the buckets of compressor.scope=bucket, and scope={self.scope}"
+        if rounds == 1:
+            out["error_feedback"] = "the residual enters a client's second upload, and rounds=1"
+        return out
+
 
 @dataclass
 class NoneConf(CompressorConf):
     name: str = "none"
 
+    def inactive_fields(self, rounds: int | None = None) -> dict[str, str]:
+        return dict.fromkeys(("error_feedback", "scope", "bucket_size", "tensors"), "compressor=none compresses nothing")
+
 
 @dataclass
 class IdentityConf(CompressorConf):
     name: str = "identity"
+
+    def inactive_fields(self, rounds: int | None = None) -> dict[str, str]:
+        return {**super().inactive_fields(rounds),
+                "error_feedback": "identity is lossless, so the residual is always zero",
+                "scope": "identity is lossless whatever the layout", "bucket_size": "identity is lossless"}
 
 
 @dataclass
@@ -71,6 +89,10 @@ class QSGDConf(CompressorConf):
 class SignConf(CompressorConf):
     name: str = "sign"
 
+    def inactive_fields(self, rounds: int | None = None) -> dict[str, str]:
+        why = "sign encodes every element on its own, so the layout does not change the message"
+        return {**super().inactive_fields(rounds), "scope": why, "bucket_size": why}
+
 
 @dataclass
 class EFSignConf(CompressorConf):
@@ -85,6 +107,12 @@ class PowerSGDConf(CompressorConf):
     min_compression_rate: float = 2.0
     warm_start: bool = True
     error_feedback: bool = True
+
+    def inactive_fields(self, rounds: int | None = None) -> dict[str, str]:
+        out = super().inactive_fields(rounds)
+        if rounds == 1:
+            out["warm_start"] = "the kept Q starts a client's second upload, and rounds=1"
+        return out
 
 
 @dataclass

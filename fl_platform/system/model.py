@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from fl_platform.seeding import Stream, numpy_rng
-from fl_platform.system.config import DISTRIBUTIONS, SYSTEM_KINDS, DistConf, SystemConf
+from fl_platform.system.config import DISTRIBUTIONS, QUANTITIES, SYSTEM_KINDS, DistConf, SystemConf
 
 MBPS = 1e6 / 8  # bytes per second in one Mbit/s
-_QUANTITIES = ("compute_sps", "uplink_mbps", "downlink_mbps")
+_QUANTITIES = QUANTITIES
 TRACE_COLUMNS = _QUANTITIES
 
 
@@ -70,7 +70,8 @@ def draw(d: DistConf, rng) -> float:
     return float(d.median * math.exp(d.sigma * rng.standard_normal()))
 
 
-def _conf(conf: Any) -> SystemConf:
+def system_conf(conf: Any) -> SystemConf:
+    """A SystemConf from a dataclass, an OmegaConf node or a dict."""
     if isinstance(conf, SystemConf):
         return conf
     from omegaconf import OmegaConf
@@ -110,7 +111,7 @@ def read_trace(path: str | Path) -> tuple[list[dict[str, float]], dict[int, int]
 
 class SystemModel:
     def __init__(self, conf: Any, seed: int) -> None:
-        c = _conf(conf)
+        c = system_conf(conf)
         if c.name not in SYSTEM_KINDS or c.name == "none":
             raise ValueError(f"system.name must be one of sampled, trace for a system model; got {c.name!r}")
         for q in _QUANTITIES:
@@ -193,7 +194,7 @@ def build_system(conf: Any, seed: int) -> SystemModel | None:
     """The system model of a ``system`` config (None for ``system=none`` or no config)."""
     if conf is None:
         return None
-    c = _conf(conf)
+    c = system_conf(conf)
     if c.name == "none":
         return None
     return SystemModel(c, seed)
