@@ -370,6 +370,15 @@ def test_every_system_field_changes_the_run_or_is_refused(base, name, default, t
     check_key(overrides, "system", name, f"system={base}", value)
 
 
+def test_trace_assign_is_refused_when_every_trace_row_names_its_client(tmp_path):
+    path = tmp_path / "ids.csv"
+    path.write_text("client_id,compute_sps,uplink_mbps,downlink_mbps\n0,500,2,20\n1,900,4,40\n2,700,3,30\n")
+    overrides = (*TINY, *MLP, "rounds=1", "system=trace", f"system.trace={path}")
+    build(_base(overrides)).engine.close()
+    with pytest.raises(ValueError, match=r"system\.trace_assign='random' has no effect"):
+        build(_base((*overrides, "system.trace_assign=random")))
+
+
 # ---------------------------------------------------------------- local training
 
 

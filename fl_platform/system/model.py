@@ -131,6 +131,9 @@ class SystemModel:
             if not c.trace:
                 raise ValueError("system=trace needs system.trace=<path to a CSV file>")
             self._rows, self._ids = read_trace(c.trace)
+            if self._ids is not None and c.trace_assign != SystemConf().trace_assign:
+                raise ValueError(f"system.trace_assign={c.trace_assign!r} has no effect: every row of the trace "
+                                 f"{c.trace!r} names its client_id")
         self._cache: dict[int, tuple[float, float, float, float]] = {}
 
     def _draw_base(self, client: int) -> tuple[float, float, float, float]:
