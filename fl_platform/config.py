@@ -16,6 +16,7 @@ from omegaconf import MISSING
 
 from fl_platform.algorithms.registry import algorithm_names, get_algorithm
 from fl_platform.compression.registry import CompressorConf, compressor_schemas
+from fl_platform.datasets.augment import AugmentConf
 from fl_platform.system.config import SystemConf, system_schemas
 from fl_platform.training.loop import TrainConfig
 
@@ -27,6 +28,14 @@ class DatasetConf:
     name: str = MISSING
     root: str | None = None  # default: $FL_DATA_ROOT, else ../shared/data beside the repository
     download: bool = False  # opt-in; never at test time
+    # Crop/flip of training minibatches (datasets/augment.py, docs/data.md); images only, off unless
+    # the papers' recipe for the data set uses it (CIFAR-10/100).
+    augment: AugmentConf = field(default_factory=AugmentConf)
+
+
+def _crop_flip() -> AugmentConf:
+    """RandomCrop(32, padding=4) + RandomHorizontalFlip: the CIFAR recipe of FedImpro, VHL, FuseFL, DENSE."""
+    return AugmentConf(crop_padding=4, hflip=True)
 
 
 @dataclass
@@ -60,12 +69,14 @@ class FashionMNISTConf(DatasetConf):
 @dataclass
 class CIFAR10Conf(DatasetConf):
     name: str = "cifar10"
+    augment: AugmentConf = field(default_factory=_crop_flip)
 
 
 @dataclass
 class CIFAR100Conf(DatasetConf):
     name: str = "cifar100"
     label_mode: str = "fine"
+    augment: AugmentConf = field(default_factory=_crop_flip)
 
 
 @dataclass

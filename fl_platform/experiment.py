@@ -154,8 +154,8 @@ def load_data(cfg: DictConfig) -> FederatedDataset:
     return build_federated_dataset(
         ds.name, num_clients=cfg.num_clients, partition_name=cfg.partition.name, seed=cfg.seed,
         root=ds.root, download=ds.download,
-        source_options=options_of(ds, exclude=("name", "root", "download")),
-        partition_options=options_of(cfg.partition),
+        source_options=options_of(ds, exclude=("name", "root", "download", "augment")),
+        partition_options=options_of(cfg.partition), augment=options_of(ds.augment, exclude=()),
     )
 
 

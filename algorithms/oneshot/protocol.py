@@ -89,7 +89,7 @@ class HoldoutFilter:
             mask[torch.from_numpy(server_split(num_train, self.fraction, self.seed))] = True
             self._mask = mask.to(data.indices.device)
         keep = data.indices[~self._mask[data.indices]]
-        return ClientData(data.x, data.y, keep)
+        return ClientData(data.x, data.y, keep, data.augment)
 
 
 def build_module(setup: Setup, vector: torch.Tensor, device: torch.device | str) -> nn.Module:

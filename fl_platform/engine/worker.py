@@ -101,7 +101,7 @@ class Worker:
         return make_store(self.setup.state_store, specs, **options)
 
     def client_data(self, client_id: int) -> ClientData:
-        return ClientData(self.data.train_x, self.data.train_y, self.data.client_indices(client_id))
+        return ClientData(self.data.train_x, self.data.train_y, self.data.client_indices(client_id), self.data.augment)
 
     # ------------------------------------------------------------------ one round
 

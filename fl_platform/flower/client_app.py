@@ -112,15 +112,16 @@ def load_node_data(cfg: DictConfig, node: NodeSettings) -> tuple[FederatedDatase
     """The dataset this node trains on and the index of its client in it."""
     ds = cfg.dataset
     root = node.data_root if node.data_root is not None else ds.root
-    source_options = options_of(ds, exclude=("name", "root", "download"))
+    source_options = options_of(ds, exclude=("name", "root", "download", "augment"))
+    augment = options_of(ds.augment, exclude=())
     if node.data_mode == "local":
         # The node's own files are the client's data: one client holding every training sample.
         data = build_federated_dataset(ds.name, num_clients=1, partition_name="iid", seed=cfg.seed, root=root,
-                                       download=False, source_options=source_options)
+                                       download=False, source_options=source_options, augment=augment)
         return data, 0
     data = build_federated_dataset(ds.name, num_clients=cfg.num_clients, partition_name=cfg.partition.name,
                                    seed=cfg.seed, root=root, download=False, source_options=source_options,
-                                   partition_options=options_of(cfg.partition))
+                                   partition_options=options_of(cfg.partition), augment=augment)
     if data.num_clients != cfg.num_clients:
         raise ValueError(f"the partition has {data.num_clients} clients, the run config says "
                          f"num_clients={cfg.num_clients}")
@@ -147,7 +148,7 @@ def build_runtime(run_config: Mapping[str, Any], node_config: Mapping[str, Any])
     # Keep only this client's rows: the same samples in the same order as the simulator's
     # index slice, so its minibatches (drawn from (seed, round, client id)) are identical.
     x, y = dataset.client_data(local)
-    data = ClientData(x.to(device), y.to(device), torch.arange(x.shape[0], device=device))
+    data = ClientData(x.to(device), y.to(device), torch.arange(x.shape[0], device=device), dataset.augment)
     fm = FlatModel(setup.model(), device)
     trainer = LocalTrainer(fm, setup.train)
     alg_setup = replace(setup.algorithm_setup(fm.num_params, fm.num_buffers), num_clients=cfg.num_clients)

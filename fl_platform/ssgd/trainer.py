@@ -31,6 +31,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from fl_platform.config import options_of
+from fl_platform.datasets.augment import Augmentation, AugmentConf
 from fl_platform.datasets.registry import load_source
 from fl_platform.models import build_model, check_model_input
 from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
@@ -56,6 +57,7 @@ class TensorData:
     num_classes: int
     input_shape: tuple[int, ...]
     vocab: list[str] | None = None
+    augment: Augmentation | None = None  # dataset.augment, of training minibatches
 
     @property
     def num_train(self) -> int:
@@ -65,13 +67,15 @@ class TensorData:
 def load_data(cfg: DictConfig, device: torch.device) -> TensorData:
     ds = cfg.dataset
     src = load_source(ds.name, root=ds.root, download=ds.download, seed=cfg.seed,
-                      **options_of(ds, exclude=("name", "root", "download")))
+                      **options_of(ds, exclude=("name", "root", "download", "augment")))
+    augment = Augmentation.build(AugmentConf(**options_of(ds.augment, exclude=())), src.input_shape,
+                                 src.train_x.dtype, src.name, src.pad_value)
 
     def put(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
     return TensorData(put(src.train_x), put(src.train_y), put(src.test_x), put(src.test_y), src.num_classes,
-                      tuple(src.input_shape), src.vocab)
+                      tuple(src.input_shape), src.vocab, augment)
 
 
 def build_flat_model(cfg: DictConfig, data: TensorData, device: torch.device) -> FlatModel:
@@ -169,12 +173,17 @@ class SSGDTrainer:
             while step < self.total_steps:
                 shard = shard_indices(self.data.num_train, ctx.world_size, ctx.rank, cfg.seed, epoch, ctx.device)
                 seed_torch_global(cfg.seed, Stream.TORCH, epoch, ctx.rank)
+                aug = self.data.augment  # keyed like a client: (seed, epoch, rank)
+                aug_key = aug.client_keys(cfg.seed, epoch, [ctx.rank], ctx.device) if aug is not None else None
                 stop = self.shard_size - self.shard_size % c.batch_size if c.drop_last else self.shard_size
                 for start in range(0, stop, c.batch_size):
                     if step >= self.total_steps:
                         break
                     idx = shard[start : start + c.batch_size]
-                    batch = Batch(x.index_select(0, idx), y.index_select(0, idx), step, epoch)
+                    xb = x.index_select(0, idx)
+                    if aug is not None:
+                        xb = aug.apply(xb, aug_key, step)
+                    batch = Batch(xb, y.index_select(0, idx), step, epoch)
                     fm.grad.zero_()
                     loss, logits = self.hooks.loss(self.sync.module, batch)
                     loss.backward()
