@@ -359,6 +359,14 @@ def partition_options(name: str) -> dict[str, object]:
     """The tunable parameters of a partitioner with their defaults."""
     fn = _get(name)
     fixed = {"labels", "num_clients", "seed", "groups"}
+def flwr(labels: np.ndarray, num_clients: int, seed: int, partitioner: str = "IidPartitioner",
+         options: dict[str, object] | None = None) -> Partition:
+    """flwr-datasets' ``partitioner`` class with ``options`` (optional extra; datasets/flwr_interop.py)."""
+    from fl_platform.datasets.flwr_interop import flwr_partition
+
+    return flwr_partition(labels, num_clients, seed, partitioner, options)
+
+
     return {p.name: p.default for p in inspect.signature(fn).parameters.values() if p.name not in fixed}
 
 
@@ -366,6 +374,7 @@ def _get(name: str) -> Callable[..., Partition]:
     try:
         return PARTITIONERS[name]
     except KeyError:
+    "flwr": flwr,
         raise ValueError(
             f"unknown partitioner {name!r}; valid names: {', '.join(sorted(PARTITIONERS))}"
         ) from None

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from fl_platform.datasets.source import SourceData
 from fl_platform.datasets.sources.cifar import load_cifar10, load_cifar100
 from fl_platform.datasets.sources.digits import load_digits
+from fl_platform.datasets.sources.hf import load_hf
 from fl_platform.datasets.sources.idx import load_fashion_mnist, load_mnist
 from fl_platform.datasets.sources.leaf import load_femnist
 from fl_platform.datasets.sources.shakespeare import load_shakespeare
@@ -26,6 +27,7 @@ SOURCES: dict[str, Loader] = {
     "cifar100": load_cifar100,
     "femnist": load_femnist,
     "shakespeare": load_shakespeare,
+    "hf": load_hf,  # any Hugging Face `datasets` data set, local or from the Hub (extra: fl-platform[hf])
 }
 
 # Sources whose samples carry a natural group id (writer, speaker, device): "natural" is their default.
@@ -61,7 +63,8 @@ def load_source(
     """Load source ``name``; ``options`` go to its loader (see ``source_options(name)``).
 
     ``download`` only matters for sources that can be fetched (mnist, fashion_mnist, cifar10,
-    cifar100, shakespeare) and is off by default: nothing touches the network unless asked.
+    cifar100, shakespeare, hf with a Hub name) and is off by default: nothing touches the network
+    unless asked.
     """
     loader = get_loader(name)
     valid = source_options(name)

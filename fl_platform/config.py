@@ -80,6 +80,27 @@ class CIFAR100Conf(DatasetConf):
 
 
 @dataclass
+class HFConf(DatasetConf):
+    """Any Hugging Face ``datasets`` data set (datasets/sources/hf.py, docs/data.md)."""
+
+    name: str = "hf"
+    path: str = MISSING  # a local file or folder (as given, else under root), else a Hub name
+    subset: str | None = None  # the data set's configuration ("name" in load_dataset)
+    revision: str | None = None  # Hub only: a commit, tag or branch to pin
+    split: str = "train"
+    test_split: str | None = "test"  # a split (a test file when path is a file); null: use test_fraction
+    test_fraction: float | None = None  # stratified share of `split` held out as the test set
+    image_column: str | None = None  # null: the one Image column, if any
+    label_column: str | None = None  # null: the one ClassLabel column, else "label"/"labels"
+    feature_columns: list[str] | None = None  # tabular: the numeric columns (null: all but label/group)
+    group_column: str | None = None  # natural groups (writer, device) for partition=natural
+    channels: int | None = None  # images: 1 (grayscale) or 3 (RGB); null: the first image's
+    normalize: bool = True  # standardise per channel/feature
+    mean: list[float] | None = None  # null: the training split's statistics
+    std: list[float] | None = None
+
+
+@dataclass
 class FEMNISTConf(DatasetConf):
     name: str = "femnist"
     max_writers: int | None = None
@@ -128,6 +149,15 @@ class PowerLawConf(PartitionConf):
 @dataclass
 class NaturalConf(PartitionConf):
     name: str = "natural"
+
+
+@dataclass
+class FlwrPartitionConf(PartitionConf):
+    """A flwr-datasets partitioner on our data (datasets/flwr_interop.py; extra fl-platform[hf])."""
+
+    name: str = "flwr"
+    partitioner: str = "IidPartitioner"  # a class of flwr_datasets.partitioner
+    options: dict[str, Any] = field(default_factory=dict)  # its arguments but num_partitions and seed
 
 
 # ---------------------------------------------------------------- model
@@ -252,9 +282,9 @@ class Config:
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "dataset": {"digits": DigitsConf, "synthetic": SyntheticConf, "mnist": MNISTConf,
                 "fashion_mnist": FashionMNISTConf, "cifar10": CIFAR10Conf, "cifar100": CIFAR100Conf,
-                "femnist": FEMNISTConf, "shakespeare": ShakespeareConf},
+                "femnist": FEMNISTConf, "shakespeare": ShakespeareConf, "hf": HFConf},
     "partition": {"iid": IIDConf, "dirichlet": DirichletConf, "shards": ShardsConf,
-                  "power_law": PowerLawConf, "natural": NaturalConf},
+                  "power_law": PowerLawConf, "natural": NaturalConf, "flwr": FlwrPartitionConf},
     "model": {"mlp": MLPConf, "cnn": CNNConf, "resnet18": ResNet18Conf, "lstm": LSTMConf},
     "compressor": compressor_schemas(),
     "system": system_schemas(),

@@ -70,7 +70,7 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
 fi
 
 echo "setup: installing fl_platform and its dependencies" >&2
-pip_install -e ".[dev]"
+pip_install -e ".[dev,hf]"  # hf: dataset=hf, partition=flwr and their tests (docs/data.md)
 "$VPY" -c "import fl_platform, torch, flwr, ray, hydra" || { echo "error: installation failed" >&2; exit 1; }
 if ! command -v nvidia-smi >/dev/null 2>&1 && "$VPY" -c "import torch,sys; sys.exit(torch.version.cuda is None)"; then
   echo "warning: a CUDA build of torch is installed on a machine without a GPU" >&2

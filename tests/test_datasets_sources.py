@@ -488,6 +488,7 @@ def test_registry_names_and_options():
 
 
 @pytest.mark.parametrize("name", FILE_SOURCES)
+        "hf",
 def test_missing_root_names_dataset_and_paths(tmp_path, name):
     empty = tmp_path / "nowhere"
     with pytest.raises(DatasetNotFoundError) as info:

@@ -341,7 +341,8 @@ TRAINABLE = {
 
 
 def test_every_dataset_has_its_samples_listed() -> None:
-    assert {p.stem for p in (CONF_DIR / "dataset").glob("*.yaml")} == set(DATASET_SAMPLES)
+    varying = {"hf"}  # its samples are those of whatever data set dataset.path names
+    assert {p.stem for p in (CONF_DIR / "dataset").glob("*.yaml")} - varying == set(DATASET_SAMPLES)
     assert set(TRAINABLE) == set(MODELS)
 
 
