@@ -345,20 +345,6 @@ def natural(groups: np.ndarray, num_clients: int | None = None) -> Partition:
     return Partition.from_assignment(inverse, int(num_clients))
 
 
-PARTITIONERS: dict[str, Callable[..., Partition]] = {
-    "iid": iid,
-    "dirichlet": dirichlet,
-    "shards": shards,
-    "power_law": power_law,
-    "lognormal": lognormal,
-    "natural": natural,
-}
-
-
-def partition_options(name: str) -> dict[str, object]:
-    """The tunable parameters of a partitioner with their defaults."""
-    fn = _get(name)
-    fixed = {"labels", "num_clients", "seed", "groups"}
 def flwr(labels: np.ndarray, num_clients: int, seed: int, partitioner: str = "IidPartitioner",
          options: dict[str, object] | None = None) -> Partition:
     """flwr-datasets' ``partitioner`` class with ``options`` (optional extra; datasets/flwr_interop.py)."""
@@ -367,6 +353,21 @@ def flwr(labels: np.ndarray, num_clients: int, seed: int, partitioner: str = "Ii
     return flwr_partition(labels, num_clients, seed, partitioner, options)
 
 
+PARTITIONERS: dict[str, Callable[..., Partition]] = {
+    "iid": iid,
+    "dirichlet": dirichlet,
+    "shards": shards,
+    "power_law": power_law,
+    "lognormal": lognormal,
+    "natural": natural,
+    "flwr": flwr,
+}
+
+
+def partition_options(name: str) -> dict[str, object]:
+    """The tunable parameters of a partitioner with their defaults."""
+    fn = _get(name)
+    fixed = {"labels", "num_clients", "seed", "groups"}
     return {p.name: p.default for p in inspect.signature(fn).parameters.values() if p.name not in fixed}
 
 
@@ -374,7 +375,6 @@ def _get(name: str) -> Callable[..., Partition]:
     try:
         return PARTITIONERS[name]
     except KeyError:
-    "flwr": flwr,
         raise ValueError(
             f"unknown partitioner {name!r}; valid names: {', '.join(sorted(PARTITIONERS))}"
         ) from None

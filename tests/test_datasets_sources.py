@@ -477,6 +477,7 @@ def test_registry_names_and_options():
         "cifar100",
         "femnist",
         "shakespeare",
+        "hf",
     }
     with pytest.raises(ValueError, match=r"unknown dataset source 'imagenet'.*cifar10.*digits"):
         load_source("imagenet")
@@ -488,7 +489,6 @@ def test_registry_names_and_options():
 
 
 @pytest.mark.parametrize("name", FILE_SOURCES)
-        "hf",
 def test_missing_root_names_dataset_and_paths(tmp_path, name):
     empty = tmp_path / "nowhere"
     with pytest.raises(DatasetNotFoundError) as info:
