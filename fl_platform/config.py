@@ -234,14 +234,20 @@ class EngineConf:
     gpus_per_worker: float | None = None  # None: 1 / (workers per GPU) when a GPU is present
     threads_per_worker: int | None = None  # torch intra-op threads (ray, None: cpus_per_worker, min 1; inline, None: torch default)
     state_store: str = "memory"  # memory | disk | distributed (see docs/engine.md)
-    state_dir: str | None = None  # disk/distributed: where client state lives (None: <run dir>/client_state)
+    # disk/distributed: where client state lives. Inline: None = <run dir>/client_state. Ray: a path
+    # interpreted on every node (node-local folders; None: the node's FL_NODE_STATE_DIR or temp dir).
+    state_dir: str | None = None
+    state_dir_shared: bool = False  # ray + disk: state_dir is one folder that every node sees (a shared filesystem)
     state_backend: str = "disk"  # distributed: what each home worker keeps its clients' state in (memory | disk)
     state_cache_mb: float = 256.0  # disk: RAM for the write-behind LRU cache of client states, per store
     state_fsync: bool = False  # disk stores: fsync client-state files and folders (survive a machine crash)
     nonfinite: NonFinitePolicy = NonFinitePolicy.fail
     max_restarts: int = 3  # ray: a dead worker is restarted (and its clients rerun) at most this often per round
     scheduler_smoothing: float = 0.5  # weight of the newest round in each worker's runtime estimate
-    address: str | None = None  # ray: an existing cluster to join ("auto"); None starts a local one
+    address: str | None = None  # ray: an existing cluster to join (host:port of its head, or "auto"); None starts a local one
+    # ray: the job's runtime_env. auto = ship this checkout (code + conf/) when joining a cluster;
+    # null/{} = nothing (nodes hold an identical install); a mapping = Ray's runtime_env, merged over auto's.
+    runtime_env: Any = "auto"
     fault_injection: FaultInjectionConf = field(default_factory=FaultInjectionConf)
     # Clients a worker trains at once, vectorised (docs/vectorised.md): 1 = one by one; "auto" = as
     # many as fit in half the device's free memory. Validated by parse_cohort_size.

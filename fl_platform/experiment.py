@@ -7,6 +7,7 @@ exactly the same code path.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from enum import Enum
@@ -173,13 +174,37 @@ def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
         dataset=data, model=model, algorithm=cfg.algorithm.name, algorithm_conf=algorithm_conf(cfg),
         train=train_config(cfg), seed=cfg.seed, device=engine.device, state_store=engine.state_store,
         state_options={"cache_mb": engine.state_cache_mb, "fsync": engine.state_fsync,
-                       **({"directory": engine.state_dir} if engine.state_dir else {})},
+                       **({"directory": os.path.abspath(os.path.expanduser(engine.state_dir))}
+                          if engine.state_dir else {}),
+                       **({"backend": engine.state_backend} if engine.state_store == "distributed" else {})},
         nonfinite=enum_value(engine.nonfinite),
         cohort_size=parse_cohort_size(engine.cohort_size),
         threads=threads if enum_value(engine.name) == "ray" else engine.threads_per_worker,
         compressor=OmegaConf.to_container(cfg.compressor, resolve=True) if cfg.get("compressor") else None,
         system=build_system(cfg.get("system"), cfg.seed),
     )
+
+
+def check_cluster_keys(cfg: DictConfig) -> None:
+    """Refuse the Ray engine's cluster keys where they would do nothing (engine=inline, not a disk store)."""
+    from fl_platform.engine.ray_cluster import runtime_env_for
+
+    engine = cfg.engine
+    ray = enum_value(engine.name) == "ray"
+    checks = [
+        (ray or engine.address is None, "engine.address", "joins a Ray cluster; it needs engine=ray"),
+        (ray or engine.runtime_env == "auto", "engine.runtime_env", "ships code to Ray nodes; it needs engine=ray"),
+        (not engine.state_dir_shared or (ray and engine.state_store == "disk"), "engine.state_dir_shared",
+         f"declares a disk store's folder shared by Ray workers; it needs engine=ray and engine.state_store=disk, "
+         f"got engine={enum_value(engine.name)}, state_store={engine.state_store}"),
+    ]
+    for ok, key, message in checks:
+        if not ok:
+            raise ConfigError(f"{key} {message}")
+    try:
+        runtime_env_for(OmegaConf.to_container(engine, resolve=True).get("runtime_env"), joining=True)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def make_engine(cfg: DictConfig, setup: ExperimentSetup) -> Engine:
@@ -209,6 +234,7 @@ class Experiment:
 def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter | None = None) -> Experiment:
     """Everything needed to run ``cfg``; writes config.yaml and partition.npz when ``run_dir`` is given."""
     validate(cfg)
+    check_cluster_keys(cfg)
     rd = RunDir(run_dir) if run_dir is not None else None
     checkpointer, ckpt = None, None
     if rd is not None:
@@ -221,7 +247,9 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
             ckpt = checkpointer.load()  # an unusable latest checkpoint: the one before, or CheckpointError
     data = load_data(cfg)
     setup = make_setup(cfg, data)
-    if rd is not None and setup.state_store != "memory" and "directory" not in setup.state_options:
+    # The run dir is the driver's: the Ray engine keeps states in node-local folders unless one is shared.
+    if (rd is not None and setup.state_store != "memory" and "directory" not in setup.state_options
+            and (enum_value(cfg.engine.name) == "inline" or cfg.engine.state_dir_shared)):
         setup.state_options["directory"] = str(rd.path / "client_state")
     if rd is not None:
         atomic_write_text(rd.config, OmegaConf.to_yaml(cfg, resolve=True))
@@ -252,7 +280,8 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
 RESUME_FREE_KEYS = ("resume", "checkpoint_every", "logger.", "eval_batch_size", "engine.name", "engine.num_workers",
                     "engine.device", "engine.cpus_per_worker", "engine.gpus_per_worker", "engine.threads_per_worker",
                     "engine.max_restarts", "engine.scheduler_smoothing", "engine.address", "engine.fault_injection",
-                    "engine.state_cache_mb", "engine.state_fsync", "engine.cohort_size")
+                    "engine.state_cache_mb", "engine.state_fsync", "engine.cohort_size",
+                    "engine.runtime_env", "engine.state_dir_shared")
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:

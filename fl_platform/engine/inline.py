@@ -18,6 +18,7 @@ from fl_platform.engine.worker import Worker, WorkerOptions
 from fl_platform.rounds.engine import Engine, WorkerResult
 from fl_platform.rounds.setup import ExperimentSetup
 from fl_platform.state.distributed import home_worker, lending_plan
+from fl_platform.state.gathered import FOLDER, iter_states, state_files
 
 
 class InlineEngine(Engine):
@@ -82,6 +83,17 @@ class InlineEngine(Engine):
             w.commit_state(round)
 
     def restore_state(self, directory: Path | None, round: int | None) -> None:
+        files = state_files(directory) if self.stateful else []
+        in_memory = self.setup.state_store == "memory" or self.setup.state_options.get("backend") == "memory"
+        if files and (in_memory or files[0].parent.name == FOLDER):
+            # States saved as files in the checkpoint (memory stores, or gathered by the Ray engine):
+            # each goes to the store of its home worker for this run's number of workers.
+            for w in self._stores():
+                w.restore_state(None, None)
+            for part in iter_states(files):
+                for w in self._stores():
+                    w.put_states(part)
+            return
         for w in self._stores():
             w.restore_state(directory, round)
 

@@ -1,17 +1,23 @@
-"""The Ray actors that host workers, and what happens when one dies.
+"""The Ray actors that host workers, where they run, and what happens when one dies.
 
-``RayWorker`` is a ``Worker`` whose results leave the actor as :class:`Packed` messages.
-``ActorPool`` starts one actor per worker id, checks they are alive, and replaces a dead one
-(crash, OOM kill, ``os._exit``, lost node) with a fresh actor for the same id: the engine then
-reruns that worker's share of the round. A replacement starts with ``incarnation + 1``, which
-switches test-only fault injection off so that a rerun succeeds.
+``RayWorker`` is a ``Worker`` whose results leave the actor as :class:`Packed` messages; a home
+worker keeps its clients' states in its node's own folder (``state/nodes.py``). ``ActorPool``
+starts one actor per worker id, spread over the cluster's nodes, records each one's node, checks
+they are alive, and replaces a dead one (crash, OOM kill, ``os._exit``, lost node) with a fresh
+actor for the same id: on the same node while that node lives (so a home finds its node-local
+states again), else on a node that has room. The engine then reruns that worker's share of the
+round, or rolls the run back to its last checkpoint when states were lost with the node. A
+replacement starts with ``incarnation + 1``, which switches test-only fault injection off so that
+a rerun succeeds.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fl_platform.core import Broadcast, RoundContext
@@ -19,23 +25,56 @@ from fl_platform.engine.ray_placement import Placement
 from fl_platform.engine.transport import Packed
 from fl_platform.engine.worker import Worker, WorkerOptions
 from fl_platform.state.distributed import home_worker
+from fl_platform.state.nodes import node_state_dir
 from fl_platform.state.store import State
 
 log = logging.getLogger(__name__)
+
+#: Seconds a new actor may take to start (a fresh node may first install the job's runtime_env).
+START_TIMEOUT_S = 600.0
+
+
+def node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
 
 
 class RayWorker(Worker):
     """The actor class: every result that carries tensors leaves as a Packed message."""
 
+    _node_dir: Path | None = None  # this run's node-local state folder (removed on close)
+
+    def store_options(self) -> dict[str, Any]:
+        """``node_run`` (the run's id) asks for node-local folders: resolved here, on the node."""
+        options = super().store_options()
+        run_id = options.pop("node_run", None)
+        if run_id is not None:
+            self._node_dir = node_state_dir(options.get("directory"), run_id, node_id())
+            options["directory"] = self._node_dir
+        return options
+
+    def node_info(self) -> dict[str, Any]:
+        """Where this actor runs and which copy of the code it imported."""
+        import os
+
+        import fl_platform
+
+        return {"node_id": node_id(), "code": fl_platform.__file__, "pid": os.getpid(),
+                "state_dir": str(self._node_dir) if self._node_dir is not None else None}
+
+    def name(self) -> str:
+        return f"worker {self.worker_id} on node {node_id()[:12]}"
+
     def run_round_packed(self, ctx: RoundContext, broadcast: Broadcast, client_ids: list[int],
-                         *foreign: dict[int, State | None]) -> Packed:
-        return Packed(self.run_round(ctx, broadcast, client_ids, *foreign))
+                         *foreign: dict[int, State | None], expect: dict[int, int] | None = None) -> Packed:
+        return Packed(self.run_round(ctx, broadcast, client_ids, *foreign, expect=expect))
 
     def run_round_split(self, ctx: RoundContext, broadcast: Broadcast, client_ids: list[int],
-                        *foreign: dict[int, State | None]) -> tuple[Packed, ...]:
+                        *foreign: dict[int, State | None], expect: dict[int, int] | None = None) -> tuple[Packed, ...]:
         """``run_round``, returning (result, states for home 0, ..., states for home W-1) as separate
         objects so that each home fetches only its own clients' states."""
-        result = self.run_round(ctx, broadcast, client_ids, *foreign)
+        result = self.run_round(ctx, broadcast, client_ids, *foreign, expect=expect)
         parts: list[dict[int, State]] = [{} for _ in range(self.options.num_workers)]
         for cid, state in result.outbox.items():
             parts[home_worker(cid, self.options.num_workers)][cid] = state
@@ -48,9 +87,17 @@ class RayWorker(Worker):
     def is_stateful(self) -> bool:
         return self.stateful
 
+    def close(self) -> None:
+        super().close()
+        if self._node_dir is not None:  # a run's working copy: checkpoints hold what must survive
+            shutil.rmtree(self._node_dir / f"worker-{self.worker_id}", ignore_errors=True)
+            for folder in (self._node_dir, self._node_dir.parent):  # the node's and the run's, once empty
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+
 
 class ActorPool:
-    """One live actor per worker id."""
+    """One live actor per worker id, each pinned to a node once it started there."""
 
     def __init__(self, placement: Placement, setup_ref: Any, options: Callable[[int, int], WorkerOptions]) -> None:
         """``options(worker_id, incarnation)`` gives each new actor its WorkerOptions."""
@@ -63,6 +110,7 @@ class ActorPool:
         self._cls = ray.remote(RayWorker)
         self.incarnation = [0] * placement.num_workers
         self.restarts = 0
+        self.nodes: list[str | None] = [None] * placement.num_workers  # node id of each worker's actor
         self.actors = [self._spawn(w) for w in range(placement.num_workers)]
 
     def __getitem__(self, worker_id: int) -> Any:
@@ -71,18 +119,31 @@ class ActorPool:
     def __iter__(self):
         return iter(self.actors)
 
-    def _spawn(self, worker_id: int) -> Any:
+    def _spawn(self, worker_id: int, node: str | None = None) -> Any:
+        """A new actor for ``worker_id``: on ``node`` (hard affinity), or spread over the nodes."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        strategy = NodeAffinitySchedulingStrategy(node, soft=False) if node is not None else "SPREAD"
         cls = self._cls.options(num_cpus=self.placement.cpus_per_worker, num_gpus=self.placement.gpus_per_worker,
-                                max_restarts=0, max_task_retries=0)
+                                max_restarts=0, max_task_retries=0, scheduling_strategy=strategy)
         return cls.remote(worker_id, self._setup_ref, self._options(worker_id, self.incarnation[worker_id]))
 
     def ping_all(self) -> None:
-        """Wait until every actor is up (its Worker built); a failure in a constructor is raised as is."""
+        """Wait until every actor is up (its Worker built) and record its node; a failure in a
+        constructor is raised as is."""
         ray = self._ray
         try:
-            ray.get([a.ping.remote() for a in self.actors])
+            infos = ray.get([a.node_info.remote() for a in self.actors])
         except ray.exceptions.RayTaskError as err:
             raise err.as_instanceof_cause() from None
+        self.nodes = [info["node_id"] for info in infos]
+
+    def alive_nodes(self) -> set[str]:
+        return {n["NodeID"] for n in self._ray.nodes() if n.get("Alive")}
+
+    def node_name(self, worker_id: int) -> str:
+        node = self.nodes[worker_id]
+        return "an unknown node" if node is None else f"node {node[:12]}"
 
     def alive(self, worker_id: int, timeout: float = 60.0) -> bool:
         ray = self._ray
@@ -93,15 +154,47 @@ class ActorPool:
             return False
 
     def restart(self, worker_id: int, reason: str) -> None:
-        """Replace worker ``worker_id``'s actor by a new one and wait until it is up."""
+        """Replace worker ``worker_id``'s actor by a new one and wait until it is up: on its node while
+        that node is alive, else on another node with room (refused, with the numbers, when none has)."""
         ray = self._ray
-        log.warning("Ray worker %d died (%s); starting a new one and rerunning its clients", worker_id, reason)
+        node = self.nodes[worker_id]
+        if node not in self.alive_nodes():
+            node = None
+        log.warning("Ray worker %d died (%s); starting a new one %s and rerunning its clients", worker_id, reason,
+                    f"on its node {self.nodes[worker_id][:12]}" if node is not None else "on another node")
         with contextlib.suppress(Exception):  # already gone
             ray.kill(self.actors[worker_id], no_restart=True)
         self.incarnation[worker_id] += 1
-        self.actors[worker_id] = self._spawn(worker_id)
-        ray.get(self.actors[worker_id].ping.remote())
+        try:
+            self.nodes[worker_id] = self._start(worker_id, node)
+        except ray.exceptions.RayActorError:
+            if node is None or node in self.alive_nodes():
+                raise
+            self.nodes[worker_id] = self._start(worker_id, None)  # its node died meanwhile
         self.restarts += 1
+
+    def _start(self, worker_id: int, node: str | None) -> str:
+        """Spawn worker ``worker_id`` (on ``node`` or anywhere) and wait for it; returns its node id."""
+        ray = self._ray
+        if node is None:
+            self._check_room(worker_id)
+        self.actors[worker_id] = self._spawn(worker_id, node)
+        try:
+            return ray.get(self.actors[worker_id].node_info.remote(), timeout=START_TIMEOUT_S)["node_id"]
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"a new actor for Ray worker {worker_id} did not start within {START_TIMEOUT_S:g} s "
+                               f"(cluster resources now: {ray.available_resources()})") from None
+
+    def _check_room(self, worker_id: int) -> None:
+        """Refuse to wait forever for a replacement that no node left can host."""
+        free = self._ray.available_resources()
+        cpus, gpus = self.placement.cpus_per_worker, self.placement.gpus_per_worker
+        if free.get("CPU", 0.0) + 1e-9 < cpus or free.get("GPU", 0.0) + 1e-9 < gpus:
+            raise RuntimeError(
+                f"cannot replace Ray worker {worker_id}: the nodes left ({len(self.alive_nodes())} alive) have "
+                f"{free.get('CPU', 0.0):g} CPUs and {free.get('GPU', 0.0):g} GPUs free, a worker needs "
+                f"engine.cpus_per_worker={cpus:g} and {gpus:g} GPUs. Declare resources so that the nodes that "
+                f"remain after a loss can host all engine.num_workers workers.")
 
     def close(self) -> None:
         ray = self._ray

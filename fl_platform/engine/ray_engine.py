@@ -1,54 +1,65 @@
 """``engine=ray``: W long-lived Ray actors, each a ``Worker`` holding one model and the data.
 
-Created once per run (``ray_placement.py`` decides W and each actor's CPUs/GPUs,
-``ray_actors.py`` starts them): the experiment setup, dataset tensors included, goes through the
-object store once and each actor keeps it on its device. Per round the broadcast is sent once
-(inside the call when small, else put into the object store once and read by every actor),
-every actor trains its clients from the scheduler's plan and returns one partial aggregate. No
-remote call is made per client. Messages travel as ``transport.Packed`` values.
+Created once per run (``ray_cluster.py`` connects and ships the code, ``ray_placement.py``
+decides W and each actor's CPUs/GPUs, ``ray_actors.py`` starts them spread over the nodes): the
+experiment setup, dataset tensors included, goes through the object store once and each actor
+keeps it on its device. Per round the broadcast is sent once (inside the call when small, else
+put into the object store once and read by every actor), every actor trains its clients from the
+scheduler's plan and returns one partial aggregate. No remote call is made per client. Messages
+travel as ``transport.Packed`` values.
 
-Client state (``engine.state_store``):
+Client state belongs to a node. By default every worker is the home of clients ``c mod W`` and
+keeps their states on its node, in memory (``state_store=memory``, or ``distributed`` with
+``state_backend=memory``) or in node-local files (``disk``, or ``distributed`` with the disk
+backend; ``state/nodes.py``); a client scheduled elsewhere borrows its state through the object
+store for the round (``ray_state.py``), and the scheduler prefers home workers. Only
+``state_store=disk`` with ``engine.state_dir_shared=true`` keeps one folder that every worker reads
+and writes (a filesystem all nodes share). The driver keeps a manifest (client -> round of its
+latest state, ``state/manifest.py``) and sends each worker its clients' rounds, so a missing or
+stale state is an error naming the client, never a silent restart from zeros. Checkpoints gather
+every home's states through the object store into the checkpoint (``state/gathered.py``); a
+resume, on any set of nodes and any number of workers, restores them exactly or refuses.
 
-* ``disk``: all workers share one directory (one machine or a shared filesystem); each stages its
-  round's states durably and drops its read cache each round (another worker may have written).
-* ``distributed``: each client's state lives on its home worker (``c mod W``, memory or disk per
-  ``engine.state_backend``); a client scheduled elsewhere borrows it for the round
-  (``ray_state.py``). The scheduler prefers home workers.
-* ``memory``: with W > 1 it is ``distributed`` with memory homes. A worker crash then loses its
-  home clients' states, so the engine refuses to continue a stateful run after one (use disk).
-
-Faults: when an actor dies, the engine starts a new actor for the same worker id and reruns that
-worker's clients with the same broadcast; since states are staged and applied only after every
-result arrived, the rerun starts from unmodified states and the round's result equals the
-fault-free one (a warning is logged).
+Faults: when an actor dies, the engine starts a new actor for the same worker id (on its node
+while the node lives) and reruns that worker's clients with the same broadcast; since states are
+staged and applied only after every result arrived, the rerun starts from unmodified states and
+the round's result equals the fault-free one (a warning is logged). When the dead worker's states
+died with it (its node was lost, or it kept them in memory), or a worker finds a state missing,
+the engine raises :class:`StateLost`: the round loop rolls back to its last checkpoint and reruns
+from there, or stops with that error when there is none.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
-import tempfile
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fl_platform.core import Broadcast, RoundContext
 from fl_platform.engine.ray_actors import ActorPool
+from fl_platform.engine.ray_cluster import connect
 from fl_platform.engine.ray_placement import conf_value, plan_placement
 from fl_platform.engine.ray_state import Lending
 from fl_platform.engine.scheduler import Scheduler
 from fl_platform.engine.transport import Packed
 from fl_platform.engine.worker import WorkerOptions
-from fl_platform.rounds.engine import Engine, WorkerResult
+from fl_platform.rounds.engine import Engine, StateLost, WorkerResult
 from fl_platform.rounds.setup import ExperimentSetup
 from fl_platform.state.distributed import home_worker
+from fl_platform.state.gathered import iter_states, save_part, state_files
+from fl_platform.state.manifest import Manifest, MissingClientState, checked, stamp_of
 
 log = logging.getLogger(__name__)
 
 #: A broadcast up to this size travels inside each call (below Ray's 100 KiB limit for inlined
 #: arguments); a larger one is put into the object store once and every worker reads that copy.
 INLINE_BYTES = 64 * 1024
+#: At most this many bytes of client states travel in one message of a checkpoint or a restore.
+PART_BYTES = 64 * 2**20
 
 
 class RayEngine(Engine):
@@ -56,29 +67,29 @@ class RayEngine(Engine):
         import ray
 
         self._ray = ray
-        self._owns_ray = False
-        if not ray.is_initialized():
-            ray.init(address=conf_value(cfg, "address"), include_dashboard=False, log_to_driver=False,
-                     configure_logging=True, logging_level=logging.WARNING)
-            self._owns_ray = True
+        self._owns_ray = connect(cfg)
         self.placement = plan_placement(cfg, setup.device, ray.cluster_resources())
         num_workers = self.num_workers = self.placement.num_workers
         self.max_restarts = int(conf_value(cfg, "max_restarts", 3))
-        kind = setup.state_store
-        backend = conf_value(cfg, "state_backend", "disk")
-        if kind == "memory" and num_workers > 1:
-            kind, backend = "distributed", "memory"
-        self.state_kind = kind
+        self.shared = bool(conf_value(cfg, "state_dir_shared", False))
         options = dict(setup.state_options)
-        if kind == "distributed":
-            options["backend"] = backend
-        self._tmpdir: str | None = None
-        if kind in ("disk", "distributed") and not options.get("directory"):
-            # A shared root: disk workers share one folder, and a restarted home worker finds its own.
-            self._tmpdir = options["directory"] = tempfile.mkdtemp(prefix="fl_state_")
-        self.state_backend = backend if kind == "distributed" else kind
+        if self.shared:  # one folder that every node sees
+            if setup.state_store != "disk":
+                raise ValueError(f"engine.state_dir_shared=true shares a disk store's folder; it needs "
+                                 f"engine.state_store=disk, got {setup.state_store!r}")
+            if not options.get("directory"):
+                raise ValueError("engine.state_dir_shared=true needs engine.state_dir (a folder every node sees) "
+                                 "or a run dir")
+            kind, self.state_backend = "disk", "shared disk"
+        else:  # homes on the nodes
+            kind = "distributed"
+            self.state_backend = {"memory": "memory", "disk": "disk"}.get(setup.state_store) or \
+                conf_value(cfg, "state_backend", "disk")
+            if setup.state_store == "disk" and num_workers > 1:
+                log.info("engine.state_store=disk with %d Ray workers: each worker keeps its home clients' states "
+                         "in node-local files (engine.state_dir_shared=true shares one folder instead)", num_workers)
+            options.update(backend=self.state_backend, node_run=f"run-{uuid.uuid4().hex[:12]}")
         self.setup = dataclasses.replace(setup, state_store=kind, state_options=options)
-        self.distributed = kind == "distributed" and num_workers > 1
         fault = conf_value(cfg, "fault_injection", {}) or {}
         self.fault_client = conf_value(fault, "client")
         fault_round = conf_value(fault, "round")  # 1-based in the config, as in metrics.jsonl
@@ -87,17 +98,22 @@ class RayEngine(Engine):
         self.pool = ActorPool(self.placement, ray.put(Packed(self.setup)), self._options)
         self.pool.ping_all()
         self.stateful = bool(ray.get(self.pool[0].is_stateful.remote()))
+        self.state_nbytes = int(ray.get(self.pool[0].state_nbytes.remote())) if self.stateful else 0
         self.startup_s = time.perf_counter() - t0
-        home = (lambda c: home_worker(c, num_workers)) if self.distributed and self.stateful else None
+        self.lend = self.stateful and not self.shared and num_workers > 1
+        home = (lambda c: home_worker(c, num_workers)) if self.lend else None
         self.scheduler = Scheduler(num_workers, setup.dataset.client_sizes(), setup.train, home=home,
                                    smoothing=float(conf_value(cfg, "scheduler_smoothing", 0.5)))
+        self.manifest = Manifest()
+        self._loaded: dict[str, Any] | None = None  # a checkpoint's client_states, until restore_state
+        self._lost: str | None = None  # why states were lost: no round runs until restore_state
         self._stats: dict[str, Any] = {}
 
     def _options(self, worker_id: int, incarnation: int) -> WorkerOptions:
         return WorkerOptions(
             num_workers=self.num_workers,
             durable_rounds=True,
-            drop_cache_each_round=self.state_kind == "disk" and self.num_workers > 1,
+            drop_cache_each_round=self.shared and self.num_workers > 1,
             incarnation=incarnation,
             fault_client=self.fault_client,
             fault_round=self.fault_round,
@@ -107,126 +123,244 @@ class RayEngine(Engine):
     def restarts(self) -> int:
         return self.pool.restarts
 
-    def _restart(self, worker_id: int, reason: str) -> None:
-        if self.stateful and self.state_backend == "memory":
-            raise RuntimeError(
-                f"Ray worker {worker_id} died ({reason}); it held its home clients' state in memory, "
-                f"which is lost. Use engine.state_store=disk or engine.state_backend=disk to survive worker faults.")
-        self.pool.restart(worker_id, reason)
+    # ------------------------------------------------------------------ faults
+
+    def _recover(self, reason: str) -> None:
+        """Replace every dead actor; raise StateLost when client states died with one of them."""
+        dead = [w for w in range(self.num_workers) if not self.pool.alive(w)]
+        alive_nodes = self.pool.alive_nodes()
+        lost_node = {w for w in dead if self.pool.nodes[w] not in alive_nodes}
+        names = {w: self.pool.node_name(w) for w in dead}
+        for w in dead:
+            self.pool.restart(w, f"{reason}, {names[w]} lost" if w in lost_node else reason)
+        if not self.stateful or self.shared:
+            return
+        lost = [w for w in dead if w in lost_node or self.state_backend == "memory"]
+        if lost:
+            where = "in memory" if self.state_backend == "memory" else "in node-local files"
+            nodes = sorted({names[w] for w in lost if w in lost_node})
+            self._mark_lost(f"{reason}: Ray workers {lost} died{' with ' + ', '.join(nodes) if nodes else ''}; "
+                            f"the client states they kept {where} are gone")
+
+    def _mark_lost(self, message: str, cause: BaseException | None = None) -> None:
+        self._lost = message
+        raise StateLost(message) from cause
+
+    def _dead_or_raise(self, err: BaseException) -> None:
+        """Return when ``err`` means an actor (or an object it held) is gone; raise anything else."""
+        ray = self._ray
+        if isinstance(err, ray.exceptions.RayActorError | ray.exceptions.ObjectLostError):
+            return
+        if isinstance(err, ray.exceptions.RayTaskError):
+            cause = getattr(err, "cause", None)
+            if isinstance(cause, MissingClientState):
+                self._mark_lost(str(cause), cause)
+            if isinstance(cause, ray.exceptions.RayActorError | ray.exceptions.ObjectLostError):
+                return  # a home it needed died
+            raise err.as_instanceof_cause() from None
+        raise err
+
+    def _get_all(self, make_calls: Callable[[], list[Any]], reason: str) -> list[Any]:
+        """``ray.get`` of the references ``make_calls()`` returns; when actors died, replace them and
+        make the calls again (at most ``max_restarts`` times). The calls must be idempotent."""
+        for attempt in range(self.max_restarts + 1):
+            results, failed = [], False
+            for ref in make_calls():
+                try:
+                    results.append(self._ray.get(ref))
+                except Exception as err:  # sorted out by _dead_or_raise
+                    self._dead_or_raise(err)
+                    failed = True
+            if not failed:
+                return results
+            if attempt == self.max_restarts:
+                raise RuntimeError(f"{reason}: Ray workers kept dying ({self.max_restarts} restarts, "
+                                   f"engine.max_restarts)")
+            self._recover(reason)
+        raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------ one round
 
     def run_round(self, ctx: RoundContext, broadcast: Broadcast) -> list[WorkerResult]:
+        if self._lost is not None:
+            raise StateLost(f"{self._lost}; the engine needs restore_state (a checkpoint) before another round")
         ray = self._ray
         t0 = time.perf_counter()
         plan = self.scheduler.plan(ctx.clients)
-        lending = Lending(plan.assignment, self.num_workers) if self.distributed and self.stateful else None
+        lending = Lending(plan.assignment, self.num_workers) if self.lend else None
+        expect = [self.manifest.expected(clients) if self.stateful else None for clients in plan.assignment]
         results: list[WorkerResult | None] = [None] * self.num_workers
         packed = Packed(broadcast)
         bc_ref = ray.put(packed) if broadcast.nbytes() > INLINE_BYTES else packed
         todo = list(range(self.num_workers))
         for attempt in range(self.max_restarts + 1):
-            failed = self._submit_and_gather(ctx, bc_ref, plan.assignment, lending, todo, results)
+            failed = self._submit_and_gather(ctx, bc_ref, plan.assignment, expect, lending, todo, results)
             if not failed:
                 break
             if attempt == self.max_restarts:
                 raise RuntimeError(f"round {ctx.round + 1}: Ray workers {sorted(failed)} kept failing after "
                                    f"{self.max_restarts} restarts (engine.max_restarts)")
-            for w in range(self.num_workers):
-                if not self.pool.alive(w):
-                    self._restart(w, f"round {ctx.round + 1}")
+            self._recover(f"round {ctx.round + 1}")
             todo = sorted(failed)
         self._finish_round(ctx, lending)
         done = [r for r in results if r is not None]
+        for r in done:
+            self.manifest.record(ctx.round, r.states_written)
         self._stats = self.scheduler.record(plan, [r.client_seconds for r in done], [r.busy_seconds for r in done])
         self._stats["sched_engine_s"] = time.perf_counter() - t0
         return done
 
     def _submit_and_gather(self, ctx: RoundContext, bc_ref: Any, assignment: list[list[int]],
-                           lending: Lending | None, todo: list[int], results: list) -> set[int]:
-        """Run ``todo`` workers' shares; returns the ids of workers whose actor died."""
-        ray = self._ray
+                           expect: list[dict[int, int] | None], lending: Lending | None, todo: list[int],
+                           results: list) -> set[int]:
+        """Run ``todo`` workers' shares; returns the ids of workers whose actor (or a home it needed) died."""
         refs: dict[int, Any] = {}
         # Every export is queued before any round task, so no actor's round waits on another's.
         lent = {w: lending.exports(self.pool, w) for w in todo} if lending is not None else {}
         for w in todo:
             if lending is not None:
-                refs[w] = lending.submit(self.pool, w, ctx, bc_ref, assignment[w], lent[w])
+                refs[w] = lending.submit(self.pool, w, ctx, bc_ref, assignment[w], lent[w], expect[w])
             else:
-                refs[w] = self.pool[w].run_round_packed.remote(ctx, bc_ref, assignment[w])
+                refs[w] = self.pool[w].run_round_packed.remote(ctx, bc_ref, assignment[w], expect=expect[w])
         failed: set[int] = set()
         for w in todo:
             try:
-                results[w] = ray.get(refs[w])
-            except ray.exceptions.RayActorError:
+                results[w] = self._ray.get(refs[w])
+            except Exception as err:  # sorted out by _dead_or_raise
+                self._dead_or_raise(err)
                 failed.add(w)
-            except ray.exceptions.RayTaskError as err:
-                if isinstance(getattr(err, "cause", None), ray.exceptions.RayActorError):  # a home it needed died
-                    failed.add(w)
-                else:
-                    raise err.as_instanceof_cause() from None
         return failed
 
     def _finish_round(self, ctx: RoundContext, lending: Lending | None) -> None:
-        """Apply every worker's staged states, and return lent states to their homes."""
-        ray = self._ray
-        for attempt in range(self.max_restarts + 1):
-            calls = []
+        """Apply every worker's staged states, and return lent states to their homes (both idempotent:
+        staged states are durable on their worker's node, lent ones are objects the driver owns)."""
+        if not self.stateful:
+            return
+
+        def calls() -> list[Any]:
+            out = []
             for w, actor in enumerate(self.pool):
                 incoming = lending.returns_to(w) if lending is not None else []
                 if incoming:
-                    calls.append((w, actor.import_states.remote(*incoming)))
-                if self.stateful:
-                    calls.append((w, actor.commit_round.remote(ctx.round)))
-            failed = set()
-            for w, ref in calls:
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayActorError:
-                    failed.add(w)
-            if not failed:
-                return
-            if attempt == self.max_restarts:
-                raise RuntimeError(f"round {ctx.round + 1}: Ray workers {sorted(failed)} died while saving "
-                                   f"client state {self.max_restarts + 1} times (engine.max_restarts)")
-            for w in sorted(failed):  # both calls are idempotent: the staged files are on disk
-                self._restart(w, f"saving state after round {ctx.round + 1}")
+                    out.append(actor.import_states.remote(*incoming))
+                out.append(actor.commit_round.remote(ctx.round))
+            return out
+
+        self._get_all(calls, f"saving client states after round {ctx.round + 1}")
 
     def round_stats(self) -> dict[str, Any]:
         return dict(self._stats)
 
     # ------------------------------------------------------------------ durability
 
-    def _state_actors(self) -> list[Any]:
-        """Actors that own a store: all with distributed homes, one for a shared directory."""
-        if not self.stateful:
-            return []
-        return list(self.pool) if self.state_kind == "distributed" else [self.pool[0]]
-
     def flush(self) -> None:
-        self._ray.get([a.flush.remote() for a in self.pool])
+        self._get_all(lambda: [a.flush.remote() for a in self.pool], "flushing client states")
 
     def checkpoint_state(self, directory: Path, round: int) -> None:
+        if self._lost is not None:
+            raise StateLost(f"{self._lost}; nothing to checkpoint")
         self.flush()
-        self._ray.get([a.checkpoint_state.remote(str(directory), round) for a in self._state_actors()])
+        if not self.stateful:
+            return
+        if self.shared:  # the folder's own two-phase checkpoint
+            self._get_all(lambda: [self.pool[0].checkpoint_state.remote(str(directory), round)],
+                          f"checkpoint after round {round}")
+        else:
+            self._gather(Path(directory), round)
+
+    def _gather(self, directory: Path, round: int) -> None:
+        """Every home's states, checked against the manifest, into ``directory`` (a part at a time)."""
+        per_part = max(1, PART_BYTES // max(self.state_nbytes, 1))
+        homes: dict[int, list[int]] = {}
+        for cid in sorted(self.manifest.rounds):
+            homes.setdefault(home_worker(cid, self.num_workers), []).append(cid)
+        for home, cids in sorted(homes.items()):
+            for index, start in enumerate(range(0, len(cids), per_part)):
+                chunk = cids[start : start + per_part]
+                (states,) = self._get_all(lambda h=home, c=chunk: [self.pool[h].export_states_packed.remote(c)],
+                                          f"checkpoint after round {round}")
+                try:
+                    for cid in chunk:
+                        checked(cid, states.get(cid), self.manifest.rounds, self.pool.node_name(home))
+                except MissingClientState as err:
+                    self._mark_lost(f"checkpoint after round {round}: {err}", err)
+                save_part(directory, home, index, states)
 
     def commit_state(self, round: int) -> None:
-        self._ray.get([a.commit_state.remote(round) for a in self._state_actors()])
+        if self.stateful and self.shared:
+            self._get_all(lambda: [self.pool[0].commit_state.remote(round)], f"checkpoint after round {round}")
 
     def restore_state(self, directory: Path | None, round: int | None) -> None:
-        d = str(directory) if directory is not None else None
-        self._ray.get([a.restore_state.remote(d, round) for a in self._state_actors()])
+        """Every worker's store as of the checkpoint (a fresh start: empty), on the nodes there are now."""
+        loaded, self._loaded = self._loaded, None
+        for w in range(self.num_workers):  # an actor lost since: replaced (its states are reset below)
+            if not self.pool.alive(w):
+                self.pool.restart(w, "restoring a checkpoint")
+        self._lost = None
+        self.manifest = Manifest()
+        if not self.stateful:
+            return
+        actors = list(self.pool) if not self.shared else [self.pool[0]]
+        files = state_files(directory)
+        if directory is None or files or not self.shared:
+            self._get_all(lambda: [a.restore_state.remote(None, None) for a in actors], "resetting client states")
+        if directory is None:
+            return
+        manifest = Manifest.from_state_dict(loaded["manifest"]) if loaded is not None else None
+        if files:
+            self.manifest = self._import(directory, files, manifest)
+        elif self.shared:  # the folder's own checkpoint, compared with the manifest
+            self._get_all(lambda: [self.pool[0].restore_state.remote(str(directory), round)], "restoring client states")
+            (stored,) = self._get_all(lambda: [self.pool[0].stored_rounds.remote()], "restoring client states")
+            if manifest is not None and stored != manifest.rounds:
+                diff = sorted(set(stored.items()) ^ set(manifest.rounds.items()))
+                raise RuntimeError(f"checkpoint {directory}: the shared folder's client states differ from its "
+                                   f"manifest (client, round): {diff[:5]}; was engine.state_dir changed?")
+            self.manifest.rounds = {c: r for c, r in stored.items() if r is not None}
+        elif manifest is None or len(manifest):
+            layout = (loaded or {}).get("layout")
+            hint = ("its states are in the shared folder engine.state_dir: resume with engine.state_dir_shared=true "
+                    "and the same engine.state_dir" if layout == "folder" else
+                    "it was made with engine=inline and state_store=disk, whose states stay in their folder: "
+                    "resume it with engine=inline, or engine.state_dir_shared=true and that folder as "
+                    "engine.state_dir")
+            raise RuntimeError(f"checkpoint {directory} holds no client states, and this run keeps some; {hint}")
+
+    def _import(self, directory: Path, files: list[Path], manifest: Manifest | None) -> Manifest:
+        """Load a checkpoint's states into their homes (or the shared folder); every state must carry
+        the round its manifest lists (without a manifest, an in-process engine's checkpoint: its stamps)."""
+        found = Manifest()
+        for part in iter_states(files):
+            routed: dict[int, dict[int, Any]] = {}
+            for cid, state in part.items():
+                got = stamp_of(state)
+                want = manifest.rounds.get(cid) if manifest is not None else got
+                if got is None or got != want:
+                    raise RuntimeError(
+                        f"checkpoint {directory}: client {cid}'s state is "
+                        f"{'without a round stamp' if got is None else f'from round {got + 1}'}, its manifest lists "
+                        f"{'none' if want is None else f'round {want + 1}'}; it cannot be restored exactly")
+                found.rounds[cid] = got
+                routed.setdefault(0 if self.shared else home_worker(cid, self.num_workers), {})[cid] = state
+            self._get_all(lambda r=routed: [self.pool[h].put_states.remote(Packed(s)) for h, s in r.items()],
+                          "restoring client states")
+        if manifest is not None and manifest.rounds.keys() - found.rounds.keys():
+            missing = sorted(manifest.rounds.keys() - found.rounds.keys())
+            raise RuntimeError(f"checkpoint {directory} lacks the states of {len(missing)} clients its manifest "
+                               f"lists (e.g. {missing[:5]}); it cannot be restored exactly")
+        return found
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scheduler": self.scheduler.state_dict()}
+        return {"scheduler": self.scheduler.state_dict(),
+                "client_states": {"layout": "folder" if self.shared else "gathered",
+                                  "manifest": self.manifest.state_dict()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
+        self._loaded = state.get("client_states")
 
     def close(self) -> None:
         self.pool.close()
         if self._owns_ray:
             self._ray.shutdown()
-        if self._tmpdir is not None:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)

@@ -1,6 +1,6 @@
 """Moving client states between Ray workers for one round (``engine.state_store=distributed``).
 
-A client's state lives on its home worker. When the scheduler places a client on another worker
+A client's state lives on its home worker, on that worker's node. When the scheduler places a client on another worker
 (the trainer), its home exports the state into the object store, the trainer borrows it for the
 round, and the trainer's new state goes back to the home as a separate object, so each home
 fetches only its own clients' states. The driver passes references only; states move actor to
@@ -29,10 +29,11 @@ class Lending:
                 for h in range(self.num_workers) if self.needs[h][trainer]]
 
     def submit(self, actors: Any, trainer: int, ctx: RoundContext, broadcast: Any, clients: list[int],
-               lent: list[Any]) -> Any:
-        """Start ``trainer``'s round with its borrowed states; returns the reference to its result."""
+               lent: list[Any], expect: dict[int, int] | None = None) -> Any:
+        """Start ``trainer``'s round with its borrowed states (``expect``: the manifest's rounds of its
+        clients); returns the reference to its result."""
         out = actors[trainer].run_round_split.options(num_returns=1 + self.num_workers).remote(
-            ctx, broadcast, clients, *lent)
+            ctx, broadcast, clients, *lent, expect=expect)
         self.parts[trainer] = list(out[1:])
         return out[0]
 

@@ -8,7 +8,9 @@ in-process (``engine=inline``) and as a Ray actor (``engine=ray``).
 
 Client states are staged during the round and written to the store only after the last client
 finished, so a worker that dies mid-round leaves every state untouched and the engine can rerun
-the worker's clients from exactly the same inputs.
+the worker's clients from exactly the same inputs. Every stored state carries the round that wrote
+it (``state/manifest.py``); given the manifest's rounds (``expect``), the worker refuses a missing
+or stale state by name instead of training the client from zeros.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,7 +32,8 @@ from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundC
 from fl_platform.engine.scheduler import work_units
 from fl_platform.rounds.engine import WorkerResult
 from fl_platform.rounds.setup import ExperimentSetup, resolve_device
-from fl_platform.state.distributed import DistributedStore
+from fl_platform.state.distributed import DistributedStore, home_worker
+from fl_platform.state.manifest import ROUND_KEY, ROUND_SPEC, checked, stamp, stamp_of
 from fl_platform.state.store import State, StateStore, make_store
 from fl_platform.system.model import client_stat
 from fl_platform.training.flat import FlatModel
@@ -85,6 +89,7 @@ class Worker:
         self.uplink = make_uplink(setup.compressor, self.fm, self.client)  # None: uplinks travel dense
         self.store = store if store is not None else self.make_store()
         self.stateful = bool(self.store.specs)
+        self._expect: dict[int, int] | None = None  # the manifest's rounds for this round's clients
         # engine.cohort_size > 1 or auto: clients train in vectorised chunks (docs/vectorised.md).
         self.cohort = CohortTrainer(self.fm, setup.train) if setup.cohort_size != 1 else None
         self._pending: Iterator[tuple[int, ClientUpdate | NonFiniteError]] | None = None
@@ -93,11 +98,18 @@ class Worker:
         self._shares: dict[int, float] = {}
         self._per_client_bytes: int | None = None
 
-    def make_store(self) -> StateStore:
+    def store_options(self) -> dict[str, Any]:
+        """``make_store``'s options for this worker's store."""
         options = dict(self.setup.state_options)
         if self.setup.state_store == "distributed":
             options.update(worker_id=self.worker_id, num_workers=self.options.num_workers)
+        return options
+
+    def make_store(self) -> StateStore:
+        options = self.store_options()
         specs = {**self.client.state_spec(), **(self.uplink.state_spec() if self.uplink else {})}
+        if specs:  # each state is stored with the round that wrote it
+            specs[ROUND_KEY] = ROUND_SPEC
         return make_store(self.setup.state_store, specs, **options)
 
     def client_data(self, client_id: int) -> ClientData:
@@ -106,9 +118,13 @@ class Worker:
     # ------------------------------------------------------------------ one round
 
     def run_round(self, ctx: RoundContext, broadcast: Broadcast, client_ids: list[int],
-                  *foreign: dict[int, State | None]) -> WorkerResult:
-        """Train ``client_ids`` in order; ``foreign`` lends states of clients homed on other workers."""
+                  *foreign: dict[int, State | None], expect: dict[int, int] | None = None) -> WorkerResult:
+        """Train ``client_ids`` in order; ``foreign`` lends states of clients homed on other workers.
+
+        ``expect`` (the manifest's client -> round for ``client_ids``; absent: no state yet) makes a
+        missing or stale state an error; None skips the check (in-process use)."""
         start = time.perf_counter()
+        self._expect = expect
         if self.stateful:
             if self.options.drop_cache_each_round:
                 self.store.invalidate()
@@ -133,15 +149,16 @@ class Worker:
             # Written only now that the whole round succeeded (see the module docstring). In a
             # separate process the states are staged durably and applied by ``commit_round``
             # once the engine holds every result, so a crash at any point can be rerun exactly.
+            staged = {cid: stamp(state, ctx.round) for cid, state in acc.staged.items()}
             if self.options.durable_rounds:
-                self.store.stage(ctx.round, acc.staged, tag=f"-w{self.worker_id}")
+                self.store.stage(ctx.round, staged, tag=f"-w{self.worker_id}")
             else:
-                for cid, state in acc.staged.items():
+                for cid, state in staged.items():
                     self.store.put(cid, state)
             outbox = self.store.end_round()
         return WorkerResult(self.worker_id, acc.aggregate.to("cpu"), acc.updates, acc.metrics, acc.seconds,
                             time.perf_counter() - start, acc.bytes_up, broadcast.nbytes() * len(client_ids),
-                            acc.rejected, outbox, acc.client_stats)
+                            acc.rejected, outbox, acc.client_stats, states_written=sorted(acc.staged))
 
     def commit_round(self, round: int) -> int:
         """Apply the states staged by ``run_round`` for ``round`` (idempotent; durable rounds only)."""
@@ -174,8 +191,11 @@ class Worker:
         return update
 
     def _load_state(self, cid: int) -> State | None:
-        """The client's state on this worker's device (stores keep CPU tensors)."""
-        state = self.store.get(cid) if self.stateful else None
+        """The client's state on this worker's device (stores keep CPU tensors), checked against the
+        manifest when the engine sent one."""
+        if not self.stateful:
+            return None
+        state = checked(cid, self.store.get(cid), self._expect, self.where(cid))
         if state is None or self.device.type == "cpu":
             return state
         return {k: v.to(self.device) for k, v in state.items()}
@@ -281,6 +301,28 @@ class Worker:
             self.store.flush()
         return len(mine)
 
+    def put_states(self, *parts: dict[int, State]) -> int:
+        """Load states (from a checkpoint) into this worker's store: with distributed homes only the
+        clients homed here, else all of them. Returns how many were stored."""
+        home = self.store if isinstance(self.store, DistributedStore) else None
+        count = 0
+        for part in parts:
+            for cid, state in part.items():
+                if home is None:
+                    self.store.put(cid, state)
+                elif home.is_home(cid):
+                    home.local.put(cid, state)
+                else:
+                    continue
+                count += 1
+        self.store.flush()
+        return count
+
+    def stored_rounds(self) -> dict[int, int | None]:
+        """client -> round stamp of every state this worker's store holds (checked against a manifest)."""
+        store = self.store.local if isinstance(self.store, DistributedStore) else self.store
+        return {cid: stamp_of(store.get(cid)) for cid in store.client_ids()}
+
     # ------------------------------------------------------------------ durability
 
     def flush(self) -> None:
@@ -300,3 +342,17 @@ class Worker:
 
     def ping(self) -> int:
         return self.worker_id
+
+    def name(self) -> str:
+        return f"worker {self.worker_id}"
+
+    def where(self, client_id: int | None = None) -> str:
+        """Where ``client_id``'s state is kept (its home, when that is another worker), for error messages."""
+        here = self.name()
+        if isinstance(self.store, DistributedStore) and client_id is not None and not self.store.is_home(client_id):
+            return f"its home worker {home_worker(client_id, self.options.num_workers)} (lent to {here})"
+        return here
+
+    def state_nbytes(self) -> int:
+        """Bytes of one client's state (what a checkpoint moves per client)."""
+        return sum(spec.size * torch.empty((), dtype=spec.dtype).element_size() for spec in self.store.specs.values())

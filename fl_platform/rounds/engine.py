@@ -34,6 +34,14 @@ class WorkerResult:
     rejected: dict[int, str] = field(default_factory=dict)
     outbox: dict[int, State] = field(default_factory=dict)  # new states of clients homed elsewhere
     client_stats: dict[int, dict[str, float]] = field(default_factory=dict)  # bytes_up, samples (system model)
+    states_written: list[int] = field(default_factory=list)  # clients whose new state this round produced
+
+
+class StateLost(RuntimeError):
+    """Client states the run needs are gone (a node lost, node-local files removed, a memory home died).
+
+    The round loop rolls back to its last checkpoint, whose states the engine restores, and reruns
+    from there; without a checkpoint the run stops with this error, which names what was lost."""
 
 
 class Engine(ABC):

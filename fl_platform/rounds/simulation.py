@@ -6,6 +6,11 @@ algorithm's server step, evaluate every ``eval_every`` rounds, log one metrics r
 checkpoint every ``checkpoint_every`` rounds (``fl_platform/rounds/checkpoint.py``). The same loop
 drives the simulation engines and, through an ``Engine`` adapter, Flower's ServerApp.
 
+When the engine reports client states lost (``StateLost``: a node died with them), the loop rolls
+the whole run back to its last checkpoint, exactly as a resume would (server state, client states,
+scheduler, RNG, metrics rows), and reruns the rounds after it; the result equals an uninterrupted
+run's. Without a checkpoint the run stops with the engine's error.
+
 Metrics rows mix results (identical for every engine, worker count and resume) with timing and
 scheduling fields (``is_timing_key``), which naturally differ between runs.
 """
@@ -26,11 +31,14 @@ from fl_platform.core import Aggregate, ClientUpdate, Metrics, RoundContext
 from fl_platform.outputs import MetricsLog, atomic_write_text
 from fl_platform.reporting import Reporter
 from fl_platform.rounds.checkpoint import Checkpoint, Checkpointer, set_rng_state
-from fl_platform.rounds.engine import Engine
+from fl_platform.rounds.engine import Engine, StateLost
 from fl_platform.rounds.sampling import sample_clients
 from fl_platform.training.flat import FlatModel
 
 log = logging.getLogger(__name__)
+
+#: Rollbacks to the same checkpoint before the run gives up (a fault that recurs on every rerun).
+MAX_ROLLBACKS = 3
 
 
 def is_timing_key(key: str) -> bool:
@@ -72,6 +80,7 @@ class Simulation:
         self.history: list[dict[str, Any]] = []
         self.start_round = 0
         self.checkpointer = checkpointer
+        self.rollbacks: dict[int, int] = {}  # checkpoint round -> times rolled back to it
 
     def evaluate(self) -> dict[str, float]:
         return self.server.evaluate(self.eval_model, self.test_x, self.test_y, self.loop.eval_batch_size)
@@ -118,20 +127,40 @@ class Simulation:
     def run(self) -> dict[str, Any]:
         wall0 = time.perf_counter()
         offset = self.history[-1].get("wall_time_s", 0.0) if self.history else 0.0
-        for r in range(self.start_round, self.loop.rounds):
-            row = self.run_round(r)
-            row["wall_time_s"] = offset + time.perf_counter() - wall0
-            for key in ("test_accuracy", "test_loss", "train_loss"):
-                value = row.get(key)
-                if value is not None and not torch.isfinite(torch.tensor(value)):
-                    log.warning("round %d: %s is %s", r + 1, key, value)
-            self.history.append(row)
-            if self.metrics is not None:
-                self.metrics.append(row)
-            if self.reporter is not None:
-                self.reporter.round_done(row)
-            self.after_round(r)
+        r = self.start_round
+        while r < self.loop.rounds:
+            try:
+                row = self.run_round(r)
+                row["wall_time_s"] = offset + time.perf_counter() - wall0
+                for key in ("test_accuracy", "test_loss", "train_loss"):
+                    value = row.get(key)
+                    if value is not None and not torch.isfinite(torch.tensor(value)):
+                        log.warning("round %d: %s is %s", r + 1, key, value)
+                self.history.append(row)
+                if self.metrics is not None:
+                    self.metrics.append(row)
+                if self.reporter is not None:
+                    self.reporter.round_done(row)
+                self.after_round(r)
+            except StateLost as err:
+                self.roll_back(err)
+                r = self.start_round
+                continue
+            r += 1
         return self.summary()
+
+    def roll_back(self, err: StateLost) -> None:
+        """Continue from the last checkpoint after client states were lost, or stop with ``err``."""
+        ckpt = self.checkpointer.load() if self.checkpointer is not None else None
+        if ckpt is None:
+            raise StateLost(f"{err}; no checkpoint to roll back to (checkpoint_every > 0 with a run dir recovers "
+                            f"from this)") from err
+        times = self.rollbacks[ckpt.round] = self.rollbacks.get(ckpt.round, 0) + 1
+        if times > MAX_ROLLBACKS:
+            raise StateLost(f"{err}; rolled back to the checkpoint after round {ckpt.round} {MAX_ROLLBACKS} times "
+                            f"already") from err
+        log.warning("%s; rolling back to the checkpoint after round %d", err, ckpt.round)
+        self.restore(ckpt)
 
     def after_round(self, r: int) -> None:
         """Checkpoint when due (extension point for subclasses: call super)."""

@@ -264,10 +264,14 @@ class DiskStore(StateStore):
             self._tmp.cleanup()
             self._tmp = None
 
-    def __len__(self) -> int:
-        """Number of clients with a stored state (walks the folders: for tests and reports)."""
+    def client_ids(self) -> list[int]:
+        """Clients with a readable state (cache, pending, committing, base; not staged rounds)."""
         ids: set[int] = set(self._cache)
         for area in self.root.iterdir():
-            if area.is_dir():
+            if area.is_dir() and not area.name.startswith("staged-"):
                 ids.update(int(f.stem) for f in area.glob("*/*.bin"))
-        return len(ids)
+        return sorted(ids)
+
+    def __len__(self) -> int:
+        """Number of clients with a stored state (walks the folders: for tests and reports)."""
+        return len(self.client_ids())

@@ -80,6 +80,10 @@ class StateStore(ABC):
     def close(self) -> None:
         self.flush()
 
+    def client_ids(self) -> list[int]:
+        """Clients with a stored state (a resume compares them with the run's manifest)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list its clients")
+
     def _check(self, client_id: int, state: State) -> None:
         unknown = set(state) - set(self.specs)
         if unknown:
@@ -114,8 +118,18 @@ class MemoryStore(StateStore):
             atomic_torch_save(self._states, Path(directory) / self.filename)
 
     def restore(self, directory: Path | None, round: int | None = None) -> None:
-        path = Path(directory) / self.filename if directory is not None else None
-        self._states = torch.load(path, weights_only=True) if path is not None and path.exists() else {}
+        self._staged.clear()
+        if directory is None:
+            self._states = {}
+            return
+        path = Path(directory) / self.filename
+        if self.specs and not path.exists():  # never an empty store where the checkpoint had states
+            raise FileNotFoundError(f"checkpoint {directory} has no client states for this store ({self.filename}); "
+                                    f"it was made by another engine or state store")
+        self._states = torch.load(path, weights_only=True) if path.exists() else {}
+
+    def client_ids(self) -> list[int]:
+        return sorted(self._states)
 
     def __len__(self) -> int:
         return len(self._states)

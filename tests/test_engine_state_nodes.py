@@ -1,0 +1,151 @@
+"""Client state that belongs to nodes: round stamps and the manifest, gathered checkpoints that resume on
+any engine and any number of workers (or refuse), the shared-folder option, and the cluster keys.
+The multi-node cases (node loss, node-local folders, joining a cluster) are in test_engine_cluster.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fl_platform.engine.ray_cluster import EXCLUDES, runtime_env_for
+from fl_platform.experiment import ConfigError, build, run_experiment
+from fl_platform.rounds.simulation import is_timing_key
+from fl_platform.state.manifest import ROUND_KEY, Manifest, MissingClientState, checked, stamp
+
+from .conftest import REPO, compose_config
+
+COMMON = ("algorithm=scaffold", "rounds=4", "checkpoint_every=2", "train.epochs=1", "clients_per_round=12",
+          "engine.threads_per_worker=1")
+
+
+def test_checked_refuses_missing_stale_and_foreign_states_by_name():
+    state = {"c": torch.ones(3)}
+    expected = {7: 2}
+    assert torch.equal(checked(7, stamp(state, 2), expected, "worker 1")["c"], state["c"])  # stamp stripped
+    assert ROUND_KEY not in checked(7, stamp(state, 2), expected, "worker 1")
+    assert checked(8, None, expected, "worker 1") is None  # no state yet, none listed
+    with pytest.raises(MissingClientState, match=r"client 7: its state from round 3 is missing on worker 1") as err:
+        checked(7, None, expected, "worker 1")
+    assert (err.value.client_id, err.value.round) == (7, 2)
+    with pytest.raises(MissingClientState, match=r"client 7: worker 1 holds a state from round 2, but the manifest "
+                                                 r"lists its state from round 3"):
+        checked(7, stamp(state, 1), expected, "worker 1")
+    with pytest.raises(MissingClientState, match="lists no state"):
+        checked(8, stamp(state, 0), expected, "worker 1")
+    assert checked(7, None, None, "worker 1") is None  # no manifest: nothing to check
+
+
+def test_manifest_records_and_round_trips():
+    m = Manifest()
+    m.record(0, [3, 5])
+    m.record(2, [5, 9])
+    assert m.expected([3, 5, 9, 11]) == {3: 0, 5: 2, 9: 2}
+    assert Manifest.from_state_dict(m.state_dict()).rounds == {3: 0, 5: 2, 9: 2}
+
+
+def test_runtime_env_default_ships_the_checkout_only_when_joining():
+    shipped = runtime_env_for("auto", joining=True)
+    assert shipped == {"working_dir": str(REPO), "excludes": EXCLUDES}
+    assert runtime_env_for("auto", joining=False) is None  # a local Ray runs on this machine
+    assert runtime_env_for(None, joining=True) is None and runtime_env_for({}, joining=True) is None
+    merged = runtime_env_for({"env_vars": {"A": "1"}}, joining=False)
+    assert merged == {**shipped, "env_vars": {"A": "1"}}
+    assert runtime_env_for({"working_dir": None, "pip": ["x"]}, joining=True) == {"pip": ["x"]}
+    with pytest.raises(ValueError, match=r"engine\.runtime_env must be auto, null or a mapping"):
+        runtime_env_for("yes", joining=True)
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (("engine.state_dir_shared=true", "engine.state_store=disk"), "engine.state_dir_shared"),
+    (("engine=ray", "engine.state_dir_shared=true"), "engine.state_dir_shared"),  # memory store
+    (("engine.runtime_env=null",), "engine.runtime_env"),
+    (("engine.address=127.0.0.1:6379",), "engine.address"),
+    (("engine=ray", "engine.runtime_env=ship"), "engine.runtime_env"),
+])
+def test_cluster_keys_are_refused_where_they_do_nothing(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        build(compose_config(*COMMON, *overrides))
+
+
+def results(run_dir) -> list[dict]:
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [{k: v for k, v in r.items() if not is_timing_key(k)} for r in rows]
+
+
+class _Interrupt:
+    """Reporter: Ctrl-C once ``after`` rounds are logged (round 3: the checkpoint is after round 2)."""
+
+    def __init__(self, after: int = 3) -> None:
+        self.after = after
+
+    def round_done(self, row: dict) -> None:
+        if row["round"] == self.after:
+            raise KeyboardInterrupt
+
+    def close(self, summary=None) -> None:
+        pass
+
+
+def interrupted(run_dir, *overrides: str) -> None:
+    exp = build(compose_config(*COMMON, *overrides), run_dir)
+    exp.simulation.reporter = _Interrupt()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            exp.simulation.run()
+    finally:
+        exp.engine.close()
+
+
+@pytest.mark.ray
+def test_ray_checkpoint_resumes_inline_and_inline_checkpoint_resumes_on_ray(ray_session, tmp_path):
+    """Ray gathers its homes' states into the checkpoint: an inline run resumes from it, and a Ray run with
+    another number of workers resumes from an inline checkpoint, both equal to the uninterrupted run."""
+    summary = run_experiment(compose_config(*COMMON), tmp_path / "ref")
+    ray2 = ("engine=ray", "engine.num_workers=2")
+    interrupted(tmp_path / "ray-then-inline", *ray2)
+    parts = list((tmp_path / "ray-then-inline" / "checkpoint").glob("round-*/client_state/part-*.pt"))
+    assert len(parts) == 2 and not (tmp_path / "ray-then-inline" / "client_state").exists()
+    resumed = run_experiment(compose_config(*COMMON), tmp_path / "ray-then-inline")
+    assert resumed["final_test_accuracy"] == summary["final_test_accuracy"]
+    assert results(tmp_path / "ray-then-inline") == results(tmp_path / "ref")
+    interrupted(tmp_path / "inline-then-ray")
+    run_experiment(compose_config(*COMMON, *ray2), tmp_path / "inline-then-ray")
+    assert results(tmp_path / "inline-then-ray") == results(tmp_path / "ref")
+
+
+@pytest.mark.ray
+def test_ray_resume_refuses_a_checkpoint_without_its_states(ray_session, tmp_path):
+    ray2 = ("engine=ray", "engine.num_workers=2")
+    interrupted(tmp_path / "run", *ray2)
+    (state_file,) = (tmp_path / "run" / "checkpoint").glob("round-*/state.pt")
+    saved = torch.load(state_file, weights_only=False)
+    manifest = Manifest.from_state_dict(saved["engine"]["client_states"]["manifest"])
+    absent = next(c for c in range(100) if c not in manifest)
+    manifest.record(1, [absent])  # the manifest lists a state that the checkpoint's parts lack
+    saved["engine"]["client_states"]["manifest"] = manifest.state_dict()
+    torch.save(saved, state_file)
+    with pytest.raises(RuntimeError, match=rf"lacks the states of 1 clients its manifest lists \(e\.g\. \[{absent}\]\)"):
+        build(compose_config(*COMMON, *ray2), tmp_path / "run")
+    interrupted(tmp_path / "inline-disk", "engine.state_store=disk")  # states stay in <run dir>/client_state
+    with pytest.raises(RuntimeError, match="holds no client states, and this run keeps some"):
+        build(compose_config(*COMMON, "engine.state_store=disk", *ray2), tmp_path / "inline-disk")
+
+
+@pytest.mark.ray
+def test_ray_shared_state_folder_equals_inline(ray_session, tmp_path):
+    """engine.state_dir_shared=true: both workers use the one declared folder (its files are there)."""
+    shared = tmp_path / "shared"
+    base = ("algorithm=scaffold", "rounds=3", "train.epochs=1", "clients_per_round=12", "engine.threads_per_worker=1")
+    ref = build(compose_config(*base))
+    ref.simulation.run()
+    exp = build(compose_config(*base, "engine=ray", "engine.num_workers=2", "engine.state_store=disk",
+                               "engine.state_dir_shared=true", f"engine.state_dir={shared}"))
+    try:
+        exp.simulation.run()
+        assert exp.engine.shared and not exp.engine.lend
+        assert len(list(shared.glob("pending/*/*.bin"))) == len(exp.engine.manifest) > 0
+    finally:
+        exp.engine.close()
+    assert float((exp.simulation.server.weights - ref.simulation.server.weights).abs().max()) <= 1e-6
