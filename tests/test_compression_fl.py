@@ -252,13 +252,15 @@ def _client_deltas(exp) -> tuple[torch.Tensor, list[tuple[float, torch.Tensor]]]
     return w0, out
 
 
+@pytest.mark.parametrize("cohort", [1, 3])
 @pytest.mark.parametrize("name", ["sign", "efsign"])
-def test_a_sign_fedavg_round_is_the_sample_weighted_mean_of_the_client_messages(make_config, name):
+def test_a_sign_fedavg_round_is_the_sample_weighted_mean_of_the_client_messages(make_config, name, cohort):
     """FedAvg sends n_k delta_k; the server must get sum_k n_k C(delta_k) / sum_k n_k, not
-    sum_k C(n_k delta_k) / sum_k n_k (for sign: +-1 whatever n_k, a step shrunk by K / sum n_k)."""
+    sum_k C(n_k delta_k) / sum_k n_k (for sign: +-1 whatever n_k, a step shrunk by K / sum n_k).
+    Also with the three clients trained as one vectorised chunk (compressed runs go client by client)."""
     exp = build(make_config("rounds=1", "num_clients=3", "clients_per_round=3", "train.epochs=1", "seed=2",
                             "model.hidden=[8]", "algorithm.server_lr=0.01", f"compressor={name}",
-                            "save_model=false"))
+                            "save_model=false", f"engine.cohort_size={cohort}"))
     try:
         w0, clients = _client_deltas(exp)
         fm = exp.engine.workers[0].fm
