@@ -1,73 +1,75 @@
 #!/usr/bin/env python
-"""FedAvg vs FedProx vs SCAFFOLD on digits (100 clients, 10 per round), 3 seeds -> docs/results/baselines.md.
+"""FedAvg, FedProx and SCAFFOLD on digits (100 clients, 10 per round) -> docs/results/baselines.md.
 
-    python scripts/results_baselines.py            # about 1 minute on 2 CPU cores
+    nice -n 19 python scripts/results_baselines.py --jobs 2     # run what is missing (minutes), write the document
+    python scripts/results_baselines.py --from-artefacts         # rebuild it from docs/results/data/baselines/
+    python scripts/results_baselines.py --budget tiny --out /tmp/base   # a check of the pipeline
 
-Two partitions: Dirichlet(0.5) label skew and the strongly non-IID 2-classes-per-client shards.
-Run directories go to outputs/results/baselines/ (not committed); the table and plots to docs/results/.
+Two partitions of scikit-learn's digits: Dirichlet(0.5) label skew and the strongly non-IID
+2-classes-per-client shards; 10 seeds per row and the noise-floor control (FedAvg with only its
+minibatch orders changed). Method and statistics: scripts/results_common.py, docs/results/README.md.
+FedAvg, FedProx and SCAFFOLD have no card in ../shared/specs, so there is no paper number to compare
+with; in the papers' large settings they run as the baselines of ``results_heterogeneity.py --preset gpu``.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-import plot  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
+import results_common as rc  # noqa: E402
 
-from fl_platform.config import register_configs  # noqa: E402
-from fl_platform.experiment import run_experiment  # noqa: E402
+DOC = "baselines"
+LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD"}
+PARTITIONS = {"dirichlet": ("Dirichlet(0.5) label skew", ["partition=dirichlet", "partition.alpha=0.5"]),
+              "shards": ("shards, 2 classes per client", ["partition=shards", "partition.classes_per_client=2"])}
+NO_CARD = rc.PaperClaim("", "no card in ../shared/specs (FedAvg: McMahan et al. 2017; FedProx: Li et al. 2020; "
+                        "SCAFFOLD: Karimireddy et al. 2020)", None, None,
+                        "digits and an MLP, not the papers' datasets and models")
 
-PARTITIONS = {"dirichlet(0.5)": ["partition=dirichlet", "partition.alpha=0.5"],
-              "shards(2 classes/client)": ["partition=shards", "partition.classes_per_client=2"]}
-ALGORITHMS = ["fedavg", "fedprox", "scaffold"]
+
+def settings_of(budget: str, preset: str) -> list[rc.Setting]:
+    tiny = budget == "tiny"
+    seeds = [0, 1] if tiny else list(range(10))
+    rounds = 4 if tiny else 30
+    common = ["dataset=digits", "model=mlp", "num_clients=100", "clients_per_round=10", "eval_every=1",
+              "train.epochs=1" if tiny else "train.epochs=5", "train.batch_size=10", "train.lr=0.05"]
+    algs = {"fedavg": ["algorithm=fedavg"], "fedprox": ["algorithm=fedprox", "algorithm.mu=0.01"],
+            "scaffold": ["algorithm=scaffold"]}
+    out = []
+    for name, (title, part) in PARTITIONS.items():
+        rows = [rc.Row(a, LABELS[a], a, [], seeds) for a in LABELS] + [rc.noise_row(seeds)]
+        out.append(rc.Setting(name, f"digits, {title}", [*common, *part], rounds, rows, algs,
+                              paper={"baseline": NO_CARD}))
+    return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--out", default=str(REPO / "docs" / "results"))
-    ap.add_argument("--runs", default=str(REPO / "outputs" / "results" / "baselines"))
-    args = ap.parse_args()
-    register_configs()
-    out, runs = Path(args.out), Path(args.runs)
-    common = ["dataset=digits", "model=mlp", "num_clients=100", "clients_per_round=10", f"rounds={args.rounds}",
-              "train.epochs=5", "train.batch_size=10", "train.lr=0.05", "logger.progress=false"]
-    sections = []
-    t0 = time.time()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        for label, part in PARTITIONS.items():
-            slug = part[0].split("=")[1]
-            dirs = []
-            for alg in ALGORITHMS:
-                for seed in range(args.seeds):
-                    cfg = compose(config_name="config", overrides=[*common, *part, f"algorithm={alg}", f"seed={seed}"])
-                    run_dir = runs / slug / f"{alg}_s{seed}"
-                    summary = run_experiment(cfg, run_dir)
-                    print(f"{label:26s} {alg:9s} seed {seed}: final {summary['final_test_accuracy']:.4f}", flush=True)
-                    dirs.append(run_dir)
-            groups = plot.group_runs([plot.load_run(d) for d in dirs])
-            png = plot.plot(groups, out / f"baselines_{slug}.png", "round", "test_accuracy", f"digits, {label}")
-            sections.append(f"### {label}\n\n{plot.table(groups)}\n![accuracy vs round]({png.name})\n")
-    cmd = "python scripts/results_baselines.py" + (f" --seeds {args.seeds}" if args.seeds != 3 else "") + (
-        f" --rounds {args.rounds}" if args.rounds != 30 else "")
-    text = (
-        "# Baselines: FedAvg, FedProx, SCAFFOLD on digits\n\n"
-        f"Produced by `{cmd}` ({time.time() - t0:.0f} s on 2 CPU cores).\n\n"
-        "Setting: scikit-learn digits (1,438 train / 359 test images), MLP 64-128-10, 100 clients, 10 sampled per "
-        f"round, {args.rounds} rounds, 5 local epochs, batch 10, SGD lr 0.05; FedProx mu = 0.01; SCAFFOLD option II "
-        f"with sample-weighted model deltas. Mean ± std over {args.seeds} seeds (seed changes the partition, the "
-        "initial model, client sampling and shuffling). Accuracies in %.\n\n" + "\n".join(sections)
-    )
-    (out / "baselines.md").write_text(text)
-    print(f"wrote {out / 'baselines.md'}")
-    return 0
+def build(settings: list[rc.Setting], cells: dict[str, dict[int, rc.Run]], plots: Path | None, command: str,
+          artefacts: Path) -> str:
+    suffix = rc.suffix_of(DOC, artefacts)
+    sections, verdicts = [], []
+    tags = [*LABELS, rc.NOISE]
+    for s in settings:
+        if not rc.setting_runs(s, cells)["fedavg"]:
+            sections.append(rc.setting_header(s) + "Not run yet.\n")
+            continue
+        table, diffs = rc.main_table(s, cells, tags)
+        verdicts += rc.verdict_rows(s, diffs, list(LABELS))
+        sections.append(rc.setting_header(s) + "Rows:\n" + rc.rows_list(s, tags) + "\n" + table + "\n" + rc.plot_rows(
+            s, cells, list(LABELS), plots, f"{DOC}_{s.name}{suffix}.png", f"{s.title}: test accuracy, mean and 95% band"))
+    return ("# Baselines: FedAvg, FedProx, SCAFFOLD on digits\n\n"
+            f"{rc.provenance(DOC, artefacts, cells, command)}\n\n"
+            "Setting: scikit-learn digits (1,438 train / 359 test images), MLP 64-128-10, 100 clients, 10 sampled per "
+            "round, 5 local epochs of batch 10, SGD lr 0.05; FedProx mu = 0.01; SCAFFOLD option II with "
+            f"sample-weighted model deltas. {rc.method_paragraph()}\n\n"
+            "## Verdict against the papers\n\n" + rc.verdict_table(verdicts) + "\n" + "\n".join(sections))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return rc.cli(DOC, argv, __doc__, settings_of, build)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,741 @@
+"""Shared machinery of the results documents (docs/results/README.md explains the method).
+
+* Running: every run is one ``python -m fl_platform.run`` process (the CLI path) with one torch
+  thread, from a snapshot of a git commit (``git archive``) so that a long sweep in a shared,
+  changing checkout uses one code version; its CPU time is measured with ``wait4``.
+* Artefacts: per run, ``summary.json``, ``metrics.jsonl.gz``, ``config.yaml`` and ``run.json`` (CPU
+  time, commit, overrides) under ``docs/results/data/<document>/<cell>/s<seed>/``. A document is
+  always built from these files (also right after running), so ``--from-artefacts`` rebuilds it
+  byte for byte without the datasets, and ``tests/test_results_docs.py`` checks that it does.
+* Statistics: a run's accuracy is the mean of its last ``K_LAST`` test evaluations (never the best
+  one, which would select on the test set); a comparison is the paired difference over the seeds
+  both cells ran (same partition, initial model and client sampling), reported with its 95%
+  Student-t interval and two-sided p; prose claims a difference only when the interval excludes 0.
+* Documents: the text above ``MARKER`` is generated; what follows it is hand-written and kept.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs" / "results"
+DATA = DOCS / "data"
+RUNS = REPO / "outputs" / "results"
+MARKER = "<!-- findings -->"
+K_LAST = 5  # evaluations averaged into a run's accuracy
+LEVEL = 0.95
+MAX_ARTEFACT_BYTES = 20 * 2**20  # all documents' artefacts together (issue 17)
+
+# The results scripts, by document: each has main(argv) with --from-artefacts and --no-plots.
+DOCUMENTS = {"heterogeneity": "results_heterogeneity", "baselines": "results_baselines"}
+
+Run = dict[str, Any]  # {"name", "config" (flattened), "summary", "rows", "stats"}
+
+
+# ----------------------------------------------------------------------------- running
+
+
+@dataclass
+class Job:
+    """One run: its cell (a table row, e.g. ``fashion_mnist/fedavg``), seed and CLI overrides."""
+
+    cell: str
+    seed: int
+    overrides: list[str]
+
+    @property
+    def name(self) -> str:
+        return f"{self.cell}/s{self.seed}"
+
+
+def code_snapshot(rev: str) -> tuple[Path, str]:
+    """(folder to run from, commit) for ``rev``: a ``git archive`` of the commit under
+    outputs/results/_code/, made once; ``worktree`` runs the live checkout (for development only:
+    its artefacts record ``<commit>+worktree``)."""
+    head = subprocess.run(["git", "rev-parse", "HEAD" if rev == "worktree" else rev], cwd=REPO, check=True,
+                          capture_output=True, text=True).stdout.strip()
+    if rev == "worktree":
+        return REPO, head + "+worktree"
+    folder = RUNS / "_code" / head
+    if not (folder / ".complete").exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        archive = subprocess.run(["git", "archive", head], cwd=REPO, check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+        (folder / ".complete").write_text(head + "\n")
+    return folder, head
+
+
+def _data_root() -> str:
+    """The data root the live checkout would use, passed on to runs made from a snapshot."""
+    return os.environ.get("FL_DATA_ROOT") or str(REPO.parent / "shared" / "data")
+
+
+def run_job(job: Job, runs: Path, artefacts: Path, code: tuple[Path, str], threads: int = 1) -> dict[str, Any]:
+    """Run ``job`` (unless its artefact exists) and store its artefact; returns its run.json."""
+    dest = artefacts / job.name
+    if (dest / "run.json").exists():
+        return json.loads((dest / "run.json").read_text())
+    run_dir = runs / job.name
+    if not (run_dir / "summary.json").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)  # a partial run starts over
+        run_dir.mkdir(parents=True)
+        cmd = [sys.executable, "-m", "fl_platform.run", *job.overrides, f"hydra.run.dir={run_dir}"]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+               "FL_DATA_ROOT": _data_root(), "PYTHONPATH": str(code[0])}
+        t0 = time.perf_counter()
+        with open(run_dir / "stdout.log", "w") as log:
+            proc = subprocess.Popen(cmd, cwd=code[0], env=env, stdout=log, stderr=subprocess.STDOUT)
+            _, status, usage = os.wait4(proc.pid, 0)
+        if os.waitstatus_to_exitcode(status):
+            raise RuntimeError(f"run {job.name} failed: {' '.join(cmd)}; see {run_dir / 'stdout.log'}")
+        stats = {"cpu_s": round(usage.ru_utime + usage.ru_stime, 2), "wall_s": round(time.perf_counter() - t0, 2),
+                 "commit": code[1], "overrides": job.overrides}
+        (run_dir / "run.json").write_text(json.dumps(stats, indent=1) + "\n")
+    export_artefact(run_dir, dest)
+    return json.loads((dest / "run.json").read_text())
+
+
+def run_jobs(jobs: Sequence[Job], runs: Path, artefacts: Path, code: tuple[Path, str], n_jobs: int,
+             threads: int = 1) -> None:
+    """Run ``jobs`` (in list order, ``n_jobs`` at a time); a failed run is reported, the rest go on."""
+    todo = [j for j in jobs if not (artefacts / j.name / "run.json").exists()]
+    print(f"{len(jobs) - len(todo)} of {len(jobs)} runs have artefacts; running {len(todo)}", flush=True)
+    failed = []
+    with ThreadPoolExecutor(max_workers=max(1, n_jobs)) as pool:
+        futures = [(j, pool.submit(run_job, j, runs, artefacts, code, threads)) for j in todo]
+        for i, (job, fut) in enumerate(futures, 1):
+            try:
+                stats = fut.result()
+                print(f"[{i}/{len(todo)}] {job.name}: cpu {stats['cpu_s']:.0f} s", flush=True)
+            except RuntimeError as err:
+                failed.append(job.name)
+                print(f"[{i}/{len(todo)}] FAILED {err}", flush=True)
+    if failed:
+        raise SystemExit(f"{len(failed)} runs failed: {', '.join(failed)}")
+
+
+# ----------------------------------------------------------------------------- presets and data
+
+
+def _preset(name: str) -> dict[str, Any]:
+    path = REPO / "conf" / "experiment" / f"{name}.yaml"
+    if not path.exists():
+        raise FileNotFoundError(f"no preset conf/experiment/{name}.yaml")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def _override_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    if isinstance(v, list):
+        return "[" + ",".join(_override_value(x) for x in v) + "]"
+    return str(v)
+
+
+def preset_overrides(name: str, with_algorithm: bool = False) -> list[str]:
+    """``conf/experiment/<name>.yaml`` as command-line overrides (its group choices, then its keys), without
+    its ``algorithm`` block unless asked: another algorithm runs in the preset's setting this way (a
+    preset's algorithm keys would not fit the other algorithm's schema)."""
+    conf = _preset(name)
+    out = []
+    for entry in conf.get("defaults", []):
+        for key, value in (entry.items() if isinstance(entry, dict) else ()):
+            group = key.removeprefix("override ").strip().lstrip("/")
+            if group != "algorithm" or with_algorithm:
+                out.append(f"{group}={value}")
+    flat = _flatten({k: v for k, v in conf.items() if k != "defaults" and (with_algorithm or k != "algorithm")})
+    return out + [f"{k}={_override_value(v)}" for k, v in flat.items()]
+
+
+def preset_value(name: str, key: str) -> str:
+    """A preset's value of ``key`` (a group such as ``dataset``, or a dotted key), as an override writes it."""
+    for o in reversed(preset_overrides(name, with_algorithm=True)):
+        k, v = o.split("=", 1)
+        if k == key:
+            return v
+    raise KeyError(f"preset {name} does not set {key}")
+
+
+def check_data(datasets: Iterable[str], min_clients: dict[str, int] | None = None) -> list[str]:
+    """One line per dataset that cannot be loaded from the data root (or has fewer natural groups
+    than a setting's clients): what is missing and where it was looked for."""
+    os.environ.setdefault("FL_DATA_ROOT", _data_root())
+    from fl_platform.datasets.registry import GROUPED_SOURCES, load_source
+
+    missing = []
+    for name in datasets:
+        try:
+            src = load_source(name)
+        except FileNotFoundError as err:
+            missing.append(f"{name}: {err}")
+            continue
+        need = (min_clients or {}).get(name, 0)
+        if name in GROUPED_SOURCES and src.has_groups and src.num_groups < need:
+            missing.append(f"{name}: the data root holds {src.num_groups} writers, the setting needs {need} "
+                           f"(the full LEAF {name}, not a sample)")
+    return missing
+
+
+# ----------------------------------------------------------------------------- artefacts
+
+
+def _gzip_bytes(data: bytes) -> bytes:
+    buf = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=9) as gz:
+        gz.write(data)
+    return buf.getvalue()
+
+
+def export_artefact(run_dir: Path, dest: Path) -> None:
+    """Copy a finished run's summary, config and run.json, and its metrics gzip-compressed (fixed
+    header, so the bytes depend on the content only). Refuses files that name a machine path."""
+    files = {"summary.json": (run_dir / "summary.json").read_bytes(), "config.yaml": (run_dir / "config.yaml").read_bytes(),
+             "run.json": (run_dir / "run.json").read_bytes()}
+    for name, data in files.items():
+        text = data.decode()
+        for root in {str(REPO), str(RUNS), str(Path.home()), "/tmp/"}:
+            if root in text:
+                raise ValueError(f"{run_dir / name} names the machine path {root!r}; not committing it")
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (dest / name).write_bytes(data)
+    (dest / "metrics.jsonl.gz").write_bytes(_gzip_bytes((run_dir / "metrics.jsonl").read_bytes()))
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def load_artefact(folder: Path) -> Run:
+    rows = [json.loads(line) for line in gzip.decompress((folder / "metrics.jsonl.gz").read_bytes()).decode().splitlines()
+            if line.strip()]
+    return {"name": folder.name, "config": _flatten(yaml.safe_load((folder / "config.yaml").read_text()) or {}),
+            "summary": json.loads((folder / "summary.json").read_text()),
+            "stats": json.loads((folder / "run.json").read_text()), "rows": rows}
+
+
+def load_cells(artefacts: Path) -> dict[str, dict[int, Run]]:
+    """cell -> seed -> run, for every artefact under ``artefacts`` (``<cell>/s<seed>/run.json``)."""
+    cells: dict[str, dict[int, Run]] = {}
+    for path in sorted(artefacts.rglob("run.json")):
+        folder = path.parent
+        cell = folder.parent.relative_to(artefacts).as_posix()
+        cells.setdefault(cell, {})[int(folder.name[1:])] = load_artefact(folder)
+    return cells
+
+
+def artefact_bytes(root: Path = DATA) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def evaluations(run: Run, metric: str = "test_accuracy", upto_round: int | None = None) -> list[tuple[int, float]]:
+    return [(row["round"], float(row[metric])) for row in run["rows"]
+            if row.get(metric) is not None and (upto_round is None or row["round"] <= upto_round)]
+
+
+def final_accuracy(run: Run, metric: str = "test_accuracy", k: int = K_LAST, upto_round: int | None = None) -> float:
+    """Mean of the last ``k`` evaluations (up to ``upto_round``): the number every table reports."""
+    values = [v for _, v in evaluations(run, metric, upto_round)][-k:]
+    if not values:
+        raise ValueError(f"run {run['name']} has no {metric} evaluations" + (f" up to round {upto_round}"
+                                                                             if upto_round else ""))
+    return statistics.fmean(values)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Mean of ``n`` values with the half-width of its ``LEVEL`` Student-t interval and the two-sided
+    p of the t-test of mean 0 (half and p are nan for n < 2)."""
+
+    mean: float
+    half: float
+    n: int
+    p: float
+
+    @property
+    def lo(self) -> float:
+        return self.mean - self.half
+
+    @property
+    def hi(self) -> float:
+        return self.mean + self.half
+
+    @property
+    def sign(self) -> int:
+        """+1 / -1 when the interval excludes 0 above / below it, else 0."""
+        if self.n < 2 or self.half != self.half:
+            return 0
+        return 1 if self.lo > 0 else -1 if self.hi < 0 else 0
+
+
+def interval(values: Sequence[float], level: float = LEVEL) -> Interval:
+    n = len(values)
+    if n == 0:
+        return Interval(float("nan"), float("nan"), 0, float("nan"))
+    mean = statistics.fmean(values)
+    if n < 2:
+        return Interval(mean, float("nan"), n, float("nan"))
+    from scipy.stats import t
+
+    se = statistics.stdev(values) / math.sqrt(n)
+    if se == 0:
+        return Interval(mean, 0.0, n, 1.0 if mean == 0 else 0.0)
+    return Interval(mean, float(t.ppf(0.5 + level / 2, n - 1)) * se, n, float(2 * t.sf(abs(mean) / se, n - 1)))
+
+
+def paired(values: dict[int, float], baseline: dict[int, float]) -> Interval:
+    """The paired difference ``values - baseline`` over the seeds both have."""
+    seeds = sorted(set(values) & set(baseline))
+    return interval([values[s] - baseline[s] for s in seeds])
+
+
+def per_seed(runs: dict[int, Run], fn: Callable[[Run], float] = final_accuracy) -> dict[int, float]:
+    return {seed: fn(run) for seed, run in sorted(runs.items())}
+
+
+def reading(iv: Interval, higher: str = "higher", lower: str = "lower") -> str:
+    """What the prose may say about a paired difference: its direction only if the interval excludes 0."""
+    if iv.n < 2:
+        return "too few seeds"
+    return {1: higher, -1: lower, 0: "no detectable difference"}[iv.sign]
+
+
+def pct(x: float, signed: bool = False, digits: int = 2) -> str:
+    if x != x:
+        return "-"
+    return f"{100 * x:+.{digits}f}" if signed else f"{100 * x:.{digits}f}"
+
+
+def fmt_mean(iv: Interval) -> str:
+    """``mean ± half-width`` in % (mean alone for one seed)."""
+    return "-" if iv.n == 0 else pct(iv.mean) if iv.n < 2 else f"{pct(iv.mean)} ± {pct(iv.half)}"
+
+
+def fmt_diff(iv: Interval) -> str:
+    """``+d [lo, hi]`` in percentage points."""
+    if iv.n == 0:
+        return "-"
+    if iv.n < 2:
+        return pct(iv.mean, True)
+    return f"{pct(iv.mean, True)} [{pct(iv.lo, True)}, {pct(iv.hi, True)}]"
+
+
+def fmt_p(iv: Interval) -> str:
+    if iv.p != iv.p:
+        return "-"
+    return "<0.001" if iv.p < 0.001 else f"{iv.p:.3f}"
+
+
+# ----------------------------------------------------------------------------- equal compute
+
+
+def seconds_per_round(runs: Iterable[Run]) -> float:
+    """Median ``round_time_s`` over every round of ``runs``: one round's training and aggregation
+    (evaluation excluded) in one torch thread. The median over hundreds of rounds resists the bursts
+    of a shared machine better than a run's total."""
+    return statistics.median(row["round_time_s"] for run in runs for row in run["rows"] if "round_time_s" in row)
+
+
+def equal_compute_round(ratio: float, rounds: int, eval_rounds: Sequence[int]) -> int:
+    """The evaluated round nearest ``ratio * rounds``: where a run ``ratio`` times cheaper per round
+    has spent the same compute as ``rounds`` rounds of the dearer one."""
+    target = ratio * rounds
+    return min(eval_rounds, key=lambda r: (abs(r - target), r))
+
+
+# ----------------------------------------------------------------------------- paper verdicts
+
+
+@dataclass(frozen=True)
+class PaperClaim:
+    """What a paper reports for one algorithm in its closest setting to ours.
+
+    ``number``: the paper's accuracy (or gain) as text, or None when the specs do not have it;
+    ``direction``: +1 when the paper reports a gain over the baseline, None when it makes no claim
+    about this comparison (a baseline, or a setting it does not run)."""
+
+    algorithm: str
+    paper_setting: str
+    number: str | None
+    direction: int | None
+    differences: str
+    source: str = ""
+
+
+def verdict(claim: PaperClaim, ours: Interval | None) -> tuple[str, str]:
+    """(verdict, reason): reproduced / direction only / not reproduced / not comparable.
+
+    Without a paper number the magnitude cannot be compared: the best a direction claim can get is
+    'direction only', when our paired interval excludes 0 on the paper's side."""
+    if claim.direction is None:
+        why = "no paper number in the specs" if claim.number is None else "the paper makes no claim here"
+        return "not comparable", f"{why}; {claim.differences}" if claim.differences else why
+    if ours is None or ours.n < 2:
+        return "not comparable", "too few seeds of ours"
+    if ours.sign == claim.direction:
+        return "direction only", "our interval excludes 0 on the paper's side" + (
+            "; the paper's number is not in the specs, so the magnitude cannot be compared" if claim.number is None
+            else "; the settings differ too much to compare magnitudes")
+    if ours.sign == 0:
+        return "not reproduced", "no detectable difference in our setting (the interval includes 0)"
+    return "not reproduced", "the opposite direction in our setting (the interval excludes 0 on the other side)"
+
+
+def verdict_table(rows: Sequence[tuple[PaperClaim, Interval | None, str]]) -> str:
+    """One row per (claim, our paired difference, what 'ours' is measured against)."""
+    lines = ["| algorithm | paper (closest setting) | paper's number | ours (paired, 95% CI) | differences in setting |"
+             " verdict | reason |", "|---|---|---|---|---|---|---|"]
+    for claim, ours, against in rows:
+        v, why = verdict(claim, ours)
+        ours_cell = f"{fmt_diff(ours)} vs {against}" if ours is not None and ours.n else "-"
+        number = claim.number if claim.number is not None else "not in the specs"
+        src = f" ({claim.source})" if claim.source else ""
+        lines.append(f"| {claim.algorithm} | {claim.paper_setting}{src} | {number} | {ours_cell} | "
+                     f"{claim.differences} | **{v}** | {why} |")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- documents
+
+
+def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out) + "\n"
+
+
+def generated_part(text: str) -> str:
+    """The part of a document that its script writes (everything above ``MARKER``)."""
+    return text.split(MARKER, 1)[0]
+
+
+def write_document(path: Path, generated: str, default_findings: str = "") -> None:
+    """Write ``generated`` and keep the hand-written text after ``MARKER`` of an existing ``path``."""
+    tail = default_findings
+    if path.exists() and MARKER in path.read_text():
+        tail = path.read_text().split(MARKER, 1)[1].lstrip("\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(generated.rstrip("\n") + "\n\n" + MARKER + "\n" + tail)
+
+
+def commits(cells: dict[str, dict[int, Run]]) -> list[str]:
+    return sorted({run["stats"].get("commit", "?") for runs in cells.values() for run in runs.values()})
+
+
+def cpu_hours(cells: dict[str, dict[int, Run]]) -> float:
+    return sum(run["stats"]["cpu_s"] for runs in cells.values() for run in runs.values()) / 3600
+
+
+def plot_cells(groups: dict[str, list[Run]], path: Path, title: str, x: str = "round",
+               metric: str = "test_accuracy") -> None:
+    """Accuracy curves with 95% bands over seeds (scripts/plot.py), PNG without a timestamp."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import plot
+
+    plot.plot({k: v for k, v in groups.items() if v}, path, x, metric, title)
+
+
+# ----------------------------------------------------------------------------- settings, rows and runs
+
+NOISE = "fedavg_shuffle"  # the noise-floor row's tag: FedAvg with only its minibatch orders changed
+LONG = "fedavg_long"  # FedAvg run longer, read at the round of equal compute
+TAIL = ["engine=inline", "logger.progress=false", "save_model=false"]  # every run; CPU settings add one thread
+
+
+@dataclass
+class Row:
+    """A table row: one algorithm configuration, run once per seed."""
+
+    tag: str  # folder name: <document data>/<setting>/<tag>/s<seed>
+    label: str
+    algorithm: str  # key of Setting.algorithm_overrides
+    extra: list[str]  # overrides on top of the setting's and the algorithm's
+    seeds: list[int]
+    what: str = ""  # what the row changes (ablations, controls)
+    parent: str = "fedavg"  # the main row an ablation varies
+    priority: int = 1  # run order (lower first); seeds >= 5 of any row come last
+
+
+def noise_row(seeds: list[int]) -> Row:
+    return Row(NOISE, "FedAvg, other minibatch orders (noise floor)", "fedavg", ["train.shuffle_offset=1"], seeds,
+               "only the clients' minibatch orders changed (train.shuffle_offset=1)")
+
+
+@dataclass
+class Setting:
+    """One data/model/training setting of a document and its rows."""
+
+    name: str  # folder and anchor
+    title: str
+    overrides: list[str]  # data, partition, model, training (CPU settings)
+    rounds: int
+    rows: list[Row]
+    algorithm_overrides: dict[str, list[str]]
+    preset: str | None = None  # GPU: conf/experiment/<preset>.yaml, the paper's setting ...
+    preset_algorithm: str = ""  # ... of this algorithm (others run in it without its algorithm keys)
+    paper: dict[str, PaperClaim] = field(default_factory=dict)  # row tag (or "baseline") -> the paper's claim
+
+    def overrides_of(self, row: Row) -> list[str]:
+        if self.preset is not None:
+            base = ([f"+experiment={self.preset}"] if row.algorithm == self.preset_algorithm else
+                    [*preset_overrides(self.preset), *self.algorithm_overrides[row.algorithm]])
+            return [*base, *row.extra, *TAIL]  # engine.device=auto: the GPU where there is one
+        return [*self.overrides, f"rounds={self.rounds}", *self.algorithm_overrides[row.algorithm], *row.extra, *TAIL[:1],
+                "engine.threads_per_worker=1", *TAIL[1:]]
+
+    def row(self, tag: str) -> Row | None:
+        return next((r for r in self.rows if r.tag == tag), None)
+
+    def dataset(self) -> str:
+        return preset_value(self.preset, "dataset") if self.preset else _value_of(self.overrides, "dataset")
+
+    def num_clients(self) -> int:
+        return int(preset_value(self.preset, "num_clients") if self.preset else _value_of(self.overrides, "num_clients"))
+
+
+def _value_of(overrides: Sequence[str], key: str) -> str:
+    return next(o.split("=", 1)[1] for o in reversed(overrides) if o.startswith(key + "="))
+
+
+def priority(row: Row, seed: int) -> int:
+    return row.priority if seed < 5 else max(4, row.priority)
+
+
+def setting_jobs(settings: Sequence[Setting], max_priority: int = 99) -> list[Job]:
+    """Every run up to ``max_priority``, lowest priority first (stable)."""
+    out = [(priority(row, seed), Job(f"{s.name}/{row.tag}", seed, [*s.overrides_of(row), f"seed={seed}"]))
+           for s in settings for row in s.rows for seed in row.seeds]
+    return [j for p, j in sorted(out, key=lambda pj: pj[0]) if p <= max_priority]
+
+
+# ----------------------------------------------------------------------------- document sections
+
+
+def accuracies(runs: dict[int, Run], **kw: Any) -> dict[int, float]:
+    return {seed: final_accuracy(run, **kw) for seed, run in sorted(runs.items())}
+
+
+def setting_runs(s: Setting, cells: dict[str, dict[int, Run]]) -> dict[str, dict[int, Run]]:
+    return {row.tag: cells.get(f"{s.name}/{row.tag}", {}) for row in s.rows}
+
+
+def method_paragraph() -> str:
+    return (f"Every number is a run's mean of its last {K_LAST} test evaluations (never the best evaluation, "
+            "which would select on the test set); ± is the half-width of the 95% Student-t interval over seeds; "
+            "a difference is paired by seed (same partition, initial model and client sampling) with its 95% "
+            "interval in brackets and the paired t-test's p; 'reading' says higher or lower only when the "
+            "interval excludes 0, else 'no detectable difference'. Accuracies in %, differences in points. The "
+            "noise-floor row reruns FedAvg with only its clients' minibatch orders changed: how large a paired "
+            "difference comes from nothing but shuffling.")
+
+
+def provenance(doc: str, artefacts: Path, cells: dict[str, dict[int, Run]], command: str) -> str:
+    n = sum(len(v) for v in cells.values())
+    rel = artefacts.relative_to(REPO).as_posix() if artefacts.is_relative_to(REPO) else artefacts.name
+    return (f"Produced by `{command}`; `{command} --from-artefacts` rebuilds this text from the committed "
+            f"artefacts alone ({rel}/, {n} runs: summary.json, metrics.jsonl.gz, config.yaml, run.json). Runs made "
+            f"at commit {', '.join(c[:10] for c in commits(cells))}; {cpu_hours(cells):.2f} CPU-hours in all, one "
+            "torch thread per run. Method and statistics: [README.md](README.md).")
+
+
+def main_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str],
+               extra: dict[str, Callable[[dict[int, Run]], str]] | None = None) -> tuple[str, dict[str, Interval]]:
+    """Rows ``tags`` (those with runs) against FedAvg: seeds, accuracy, paired difference, p, reading,
+    ``extra`` columns, seconds per round and CPU seconds per run; returns the table and the differences."""
+    runs = setting_runs(s, cells)
+    base = accuracies(runs["fedavg"])
+    header = ["algorithm", "seeds", f"accuracy (mean of the last {K_LAST} evaluations)",
+              "minus FedAvg (paired, 95% CI)", "p", "reading", *(extra or {}), "s per round", "CPU s per run"]
+    rows, diffs = [], {}
+    for tag in tags:
+        r, row = runs.get(tag), s.row(tag)
+        if not r or row is None:
+            continue
+        acc = accuracies(r)
+        d = paired(acc, base)
+        if tag != "fedavg":
+            diffs[tag] = d
+        same = tag == "fedavg"
+        rows.append([row.label, str(len(acc)), fmt_mean(interval(list(acc.values()))), "-" if same else fmt_diff(d),
+                     "-" if same else fmt_p(d), "-" if same else reading(d), *(f(r) for f in (extra or {}).values()),
+                     f"{seconds_per_round(r.values()):.2f}",
+                     f"{statistics.fmean(run['stats']['cpu_s'] for run in r.values()):.0f}"])
+    return md_table(header, rows), diffs
+
+
+def rows_list(s: Setting, tags: Sequence[str]) -> str:
+    """The overrides that tell the rows apart (the setting's are printed once above)."""
+    shown = ("algorithm", "train.shuffle", "+experiment", "rounds")
+    out = []
+    for tag in tags:
+        row = s.row(tag)
+        if row is not None:
+            own = [o for o in s.overrides_of(row) if o.startswith(shown) and o != f"rounds={s.rounds}"]
+            out.append(f"- {row.label}: `{' '.join(own)}`")
+    return "\n".join(out) + "\n"
+
+
+def setting_header(s: Setting) -> str:
+    where = (f"`+experiment={s.preset}` (conf/experiment/{s.preset}.yaml)" if s.preset else
+             f"`{' '.join(s.overrides)} rounds={s.rounds}`")
+    return f"## {s.title}\n\nSetting: {where}\n\n"
+
+
+def equal_compute_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str]) -> str:
+    """Each row of ``tags`` against FedAvg given the same compute: FedAvg's ``LONG`` run read at the
+    evaluated round nearest (seconds per round of the row / FedAvg's) x ``s.rounds``."""
+    runs = setting_runs(s, cells)
+    long, fedavg = runs.get(LONG), runs.get("fedavg")
+    if not long or not fedavg:
+        return ""
+    base_cost = seconds_per_round(fedavg.values())
+    eval_rounds = [r for r, _ in evaluations(next(iter(long.values())))]
+    rows = []
+    for tag in tags:
+        r = runs.get(tag)
+        if not r:
+            continue
+        ratio = seconds_per_round(r.values()) / base_cost
+        r_eq = equal_compute_round(ratio, s.rounds, eval_rounds)
+        acc = accuracies(r)
+        at_eq = {seed: final_accuracy(run, upto_round=r_eq) for seed, run in sorted(long.items())}
+        short = " (the long run's end: FedAvg gets less than equal compute)" if ratio * s.rounds > max(eval_rounds) + 1 else ""
+        d = paired(acc, at_eq)
+        rows.append([s.row(tag).label, f"{ratio:.2f}", f"{r_eq}{short}",
+                     fmt_mean(interval([at_eq[k] for k in sorted(set(acc) & set(at_eq))])), str(d.n), fmt_diff(d),
+                     fmt_p(d), reading(d)])
+    header = ["algorithm", "s per round / FedAvg's", "FedAvg's round of equal compute",
+              f"FedAvg there (last {K_LAST} evaluations)", "seeds", "algorithm minus FedAvg at equal compute",
+              "p", "reading"]
+    return (f"### Equal compute\n\nCompute per round: the median `round_time_s` over every round of a row's runs "
+            f"(local training and aggregation in one torch thread, evaluation excluded; the median resists the "
+            f"bursts of a shared machine). FedAvg also runs {max(eval_rounds)} rounds (`{LONG}`, the same seeds); "
+            f"a row that costs c times FedAvg per round is compared, seed by seed, with that run's mean of the last "
+            f"{K_LAST} evaluations up to round c x {s.rounds} (the nearest evaluated round). {_prefix_check(fedavg, long)}\n\n"
+            + md_table(header, rows))
+
+
+def _prefix_check(short: dict[int, Run], long: dict[int, Run]) -> str:
+    """Whether the long runs begin with the short runs' evaluations (every draw depends on (seed, round,
+    client) only, so they should), stated from the artefacts."""
+    seeds = sorted(set(short) & set(long))
+    same = [s for s in seeds if evaluations(short[s]) == evaluations(long[s])[: len(evaluations(short[s]))]]
+    if len(same) == len(seeds):
+        return f"The long runs' evaluations up to round {max(r for r, _ in evaluations(short[seeds[0]]))} equal FedAvg's own runs' for all {len(seeds)} seeds."
+    return f"The long runs' first evaluations differ from FedAvg's own runs for seeds {sorted(set(seeds) - set(same))}."
+
+
+def verdict_rows(s: Setting, diffs: dict[str, Interval], tags: Sequence[str]) -> list[tuple[PaperClaim, Interval | None, str]]:
+    """(claim, our paired difference to FedAvg, 'FedAvg') for the rows ``tags`` that ran; a row
+    without its own claim takes the setting's ``baseline`` claim."""
+    out = []
+    for tag in tags:
+        row = s.row(tag)
+        if row is None or (tag != "fedavg" and tag not in diffs):
+            continue
+        claim = s.paper.get(tag) or s.paper["baseline"]
+        out.append((replace(claim, algorithm=f"{claim.algorithm or row.label} ({s.name})"),
+                    None if tag == "fedavg" else diffs[tag], "FedAvg"))
+    return out
+
+
+def suffix_of(doc: str, artefacts: Path) -> str:
+    """``_tiny``/``_gpu`` of a non-default artefacts folder (plots of a check never overwrite the document's)."""
+    return artefacts.name[len(doc):] if artefacts.name.startswith(doc) else f"_{artefacts.name}"
+
+
+def plot_rows(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str], out: Path | None, name: str,
+              title: str) -> str:
+    """A plot of the rows ``tags`` (written when ``out`` is given) and its markdown link."""
+    runs = setting_runs(s, cells)
+    if out is not None:
+        plot_cells({s.row(t).label: list(runs[t].values()) for t in tags if runs.get(t)}, out / name, title)
+    return f"![{title}]({name})\n"
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def cli(doc: str, argv: list[str] | None, description: str,
+        settings_of: Callable[[str, str], list[Setting]],
+        build: Callable[[list[Setting], dict[str, dict[int, Run]], Path | None, str, Path], str],
+        presets: Sequence[str] = ("cpu",)) -> int:
+    """The command line every results script shares: run what is missing (or ``--plan``, or only
+    ``--from-artefacts``), then build the document from the artefacts.
+
+    ``settings_of(budget, preset)`` lists the settings; ``build(settings, cells, plots folder or None,
+    command, artefacts folder)`` returns the generated text."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget", choices=["full", "tiny"], default="full", help="tiny: a check of the pipeline")
+    ap.add_argument("--preset", choices=list(presets), default=presets[0],
+                    help="gpu: the papers' settings from conf/experiment/ (a GPU machine with the datasets)")
+    ap.add_argument("--from-artefacts", action="store_true", help="only rebuild the document from the artefacts")
+    ap.add_argument("--plan", action="store_true", help="list the runs still missing and check the data; run nothing")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--max-priority", type=int, default=99, help="run only rows up to this priority")
+    ap.add_argument("--jobs", type=int, default=2, help="runs in parallel")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    ap.add_argument("--commit", default="HEAD", help="code to run: a git revision (snapshot) or 'worktree'")
+    ap.add_argument("--runs", default=None, help="run directories (default outputs/results/<document>)")
+    ap.add_argument("--artefacts", default=None, help="default docs/results/data/<document>[_tiny][_gpu]")
+    ap.add_argument("--out", default=str(DOCS), help="folder of the document and its plots")
+    args = ap.parse_args(argv)
+    suffix = ("" if args.budget == "full" else f"_{args.budget}") + ("" if args.preset == "cpu" else f"_{args.preset}")
+    artefacts = Path(args.artefacts) if args.artefacts else DATA / f"{doc}{suffix}"
+    settings = settings_of(args.budget, args.preset)
+    if not args.from_artefacts:
+        todo = [j for j in setting_jobs(settings, args.max_priority) if not (artefacts / j.name / "run.json").exists()]
+        need: dict[str, int] = {}
+        for s in settings:
+            need[s.dataset()] = max(need.get(s.dataset(), 0), s.num_clients())
+        missing = check_data(sorted(need), need) if todo else []
+        if args.plan:
+            for j in todo:
+                print(f"{j.name}: python -m fl_platform.run {' '.join(j.overrides)}")
+            print(f"{len(todo)} runs missing; data: " + ("present" if not missing else "MISSING\n" + "\n".join(missing)))
+            return 2 if missing else 0
+        if missing:
+            print("cannot run: data missing\n" + "\n".join(missing), file=sys.stderr)
+            return 2
+        run_jobs(todo, Path(args.runs) if args.runs else RUNS / f"{doc}{suffix}", artefacts,
+                 code_snapshot(args.commit), args.jobs, args.threads)
+    cells = load_cells(artefacts) if artefacts.exists() else {}
+    command = f"python scripts/results_{doc}.py" + "".join(
+        f" --{k} {v}" for k, v in (("budget", args.budget), ("preset", args.preset)) if v not in ("full", "cpu"))
+    out = Path(args.out)
+    text = build(settings, cells, None if args.no_plots else out, command, artefacts)
+    path = out / f"{doc}{suffix}.md"
+    write_document(path, text)
+    print(f"wrote {path}")
+    return 0
