@@ -90,10 +90,10 @@ class RayWorker(Worker):
     def close(self) -> None:
         super().close()
         if self._node_dir is not None:  # a run's working copy: checkpoints hold what must survive
-            shutil.rmtree(self._node_dir / f"worker-{self.worker_id}", ignore_errors=True)
-            for folder in (self._node_dir, self._node_dir.parent):  # the node's and the run's, once empty
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
+            # The whole node folder of this run: also what workers that died here left behind.
+            shutil.rmtree(self._node_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the run's folder, once no node folder is left
+                self._node_dir.parent.rmdir()
 
 
 class ActorPool:
