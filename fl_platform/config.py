@@ -314,6 +314,10 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("fl_run_dir", run_dir_for, replace=True)
     OmegaConf.register_new_resolver(
         "fl_hash", lambda text: hashlib.sha1(str(text).encode()).hexdigest()[:10], replace=True)
+    # train.epochs in conf/config.yaml: its default only while train.steps is unset, so that a run with
+    # train.steps has no epochs value it would ignore (an explicit train.epochs beside it is refused).
+    OmegaConf.register_new_resolver("fl_unless_set", lambda other, value: value if other is None else None,
+                                    replace=True)
 
 
 def register_configs() -> None:

@@ -52,7 +52,12 @@ def validate(cfg: DictConfig) -> None:
         (cfg.eval_every >= 1, "eval_every", f"must be >= 1, got {cfg.eval_every}"),
         (cfg.train.batch_size >= 1, "train.batch_size", f"must be >= 1, got {cfg.train.batch_size}"),
         (cfg.train.lr > 0, "train.lr", f"must be > 0, got {cfg.train.lr}"),
-        (cfg.train.epochs >= 1 or cfg.train.steps, "train.epochs", f"must be >= 1, got {cfg.train.epochs}"),
+        (cfg.train.steps is not None or (cfg.train.epochs is not None and cfg.train.epochs >= 1), "train.epochs",
+         f"must be >= 1 (or set train.steps), got {cfg.train.epochs}"),
+        (cfg.train.steps is None or cfg.train.steps >= 1, "train.steps", f"must be >= 1, got {cfg.train.steps}"),
+        (cfg.train.steps is None or cfg.train.epochs is None, "train.epochs",
+         f"has no effect when train.steps is set (train.steps={cfg.train.steps} fixes the number of local "
+         f"steps; got train.epochs={cfg.train.epochs}): set one of them"),
         (cfg.train.optimizer in ("sgd", "adam"), "train.optimizer",
          f"must be one of sgd, adam; got {cfg.train.optimizer!r}"),
     ]

@@ -216,4 +216,5 @@ def samples_processed(metrics_values: Mapping[str, list[float]], batch_size: int
 def client_stat(update: Any, train: Any) -> dict[str, float]:
     """What the system model needs from one ClientUpdate: its real upload bytes and samples trained."""
     return {"bytes_up": float(update.bytes_up),
-            "samples": samples_processed(update.metrics.values, train.batch_size, update.num_samples, train.epochs)}
+            "samples": samples_processed(update.metrics.values, train.batch_size, update.num_samples,
+                                         train.epochs or 0)}

@@ -28,7 +28,7 @@ class NonFiniteError(FloatingPointError):
 class TrainConfig:
     """Local optimisation settings (the ``train`` section of the run config; treat as read-only)."""
 
-    epochs: int = 1
+    epochs: int | None = 1  # passes over the client's data; None (and only then) with ``steps``
     steps: int | None = None  # when set: exactly this many minibatch steps, reshuffling each pass
     batch_size: int = 10
     optimizer: str = "sgd"
@@ -50,6 +50,8 @@ class TrainConfig:
         if self.steps is not None:
             return self.steps
         per_epoch = num_samples // self.batch_size if self.drop_last else math.ceil(num_samples / self.batch_size)
+        if self.epochs is None:
+            raise ValueError("train.epochs or train.steps must be set")
         return self.epochs * max(per_epoch, 0)
 
 
