@@ -74,6 +74,7 @@ def test_sweep_makes_one_run_dir_per_job_and_plot_turns_them_into_a_figure_and_t
     (["num_clients=5000"], ["num_clients=5000", "1438 samples"]),
     (["train.lr=1e30", "rounds=2"], ["non-finite", "client", "round 1", "train.lr"]),
     (["clients_per_round=500"], ["clients_per_round"]),
+    (["train.steps=20", "train.epochs=3"], ["train.epochs has no effect when train.steps is set", "train.steps=20"]),
 ])
 def test_bad_input_fails_with_a_clear_message(args, expected, tmp_path):
     proc = run_cli(*args, f"hydra.run.dir={tmp_path / 'run'}")
