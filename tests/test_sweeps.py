@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -42,11 +44,14 @@ def test_joblib_launcher_runs_a_sweep_in_parallel_processes(tmp_path):
 
 
 @pytest.mark.ray
-def test_ray_cluster_launcher_runs_jobs_on_the_nodes_of_a_cluster(tmp_path):
+def test_ray_cluster_launcher_runs_jobs_on_the_nodes_of_a_cluster(tmp_path, monkeypatch):
     """A 2-node cluster (1 CPU each) started outside the sweep; 4 jobs of 1 CPU each spread over both
     nodes; run directories complete on the driver; the plot script gives means with 95% intervals."""
     from ray.cluster_utils import Cluster
 
+    # The cluster's files (and its address file, which a later plain ray.init() would join) stay private.
+    ray_tmp = tempfile.mkdtemp(prefix="fl-sweep-")  # short: Ray's socket paths must fit in 107 bytes
+    monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
@@ -57,6 +62,7 @@ def test_ray_cluster_launcher_runs_jobs_on_the_nodes_of_a_cluster(tmp_path):
                        f"hydra.sweep.dir={sweep}", timeout=400)
     finally:
         cluster.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert_complete_sweep(sweep)
