@@ -52,17 +52,13 @@ ConfigStore.instance().store(group="hydra/launcher", name="ray_cluster", node=Ra
 
 
 def default_runtime_env() -> dict[str, Any]:
-    """The repository (fl_platform/, algorithms/, datasets/, conf/, hydra_plugins/) as Ray's working_dir,
-    and the driver's data root (``$FL_DATA_ROOT``, absolute), which the shipped copy could not find
-    beside itself."""
+    """The engine's shipped checkout (``engine.runtime_env``'s default when joining a cluster), plus the
+    driver's data root as ``$FL_DATA_ROOT`` (absolute), which the shipped copy could not find beside itself."""
     from fl_platform.datasets.paths import ENV_VAR, data_root
 
-    import fl_platform
+    from fl_platform.engine.ray_cluster import default_runtime_env as shipped_checkout
 
-    return {"working_dir": str(fl_platform.REPO_ROOT),
-            "excludes": [".git", ".venv", "outputs", "multirun", "runs", "wandb", "docs", "tests", "**/__pycache__",
-                         "*.pt", "*.npz"],
-            "env_vars": {ENV_VAR: str(data_root().resolve())}}
+    return {**shipped_checkout(), "env_vars": {ENV_VAR: str(data_root().resolve())}}
 
 
 def _write_tree(root: Path, files: dict[str, bytes]) -> int:
