@@ -14,6 +14,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fl_platform.algorithms.registry import get_algorithm
@@ -71,6 +72,9 @@ def validate(cfg: DictConfig) -> None:
         (engine.state_backend in ("memory", "disk"), "engine.state_backend",
          f"must be memory or disk; got {engine.state_backend!r}"),
         (engine.max_restarts >= 0, "engine.max_restarts", f"must be >= 0, got {engine.max_restarts}"),
+        (engine.eval_device in ("auto", "cpu") or engine.eval_device.split(":")[0] == "cuda", "engine.eval_device",
+         f"must be auto, cpu or cuda[:k]; got {engine.eval_device!r}"),
+        (engine.start_timeout_s > 0, "engine.start_timeout_s", f"must be > 0, got {engine.start_timeout_s}"),
         (engine.fault_injection.client is None or enum_value(engine.name) == "ray", "engine.fault_injection",
          "is a test-only fault for Ray workers; it needs engine=ray"),
         (not engine.state_fsync or engine.state_store == "disk"
@@ -259,7 +263,9 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
     if rd is not None:
         atomic_write_text(rd.config, OmegaConf.to_yaml(cfg, resolve=True))
         data.partition.save(rd.partition)
-    device = resolve_device(cfg.engine.device)
+    inline = enum_value(cfg.engine.name) == "inline"
+    eval_device = cfg.engine.eval_device
+    device = resolve_device(cfg.engine.device if eval_device == "auto" else eval_device) if inline else torch.device("cpu")
     seed_torch_global(cfg.seed, Stream.INIT)
     eval_model = FlatModel(setup.model(), device)
     spec = get_algorithm(setup.algorithm)
@@ -267,6 +273,11 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
     server = spec.server(setup.algorithm_conf, alg_setup, eval_model.vector.detach().cpu().clone())
     server.attach_data(data)
     engine = make_engine(cfg, setup)
+    if engine.eval_device is not None and engine.eval_device != eval_model.device:
+        # The Ray engine decided where the driver evaluates (a GPU share it holds): the same model there.
+        # Its weights come from the server at every evaluation; its construction draws no run RNG.
+        with torch.random.fork_rng(devices=[]):
+            eval_model = FlatModel(setup.model(), engine.eval_device)
     loop = LoopConfig(seed=cfg.seed, rounds=cfg.rounds, clients_per_round=cfg.clients_per_round,
                       eval_every=cfg.eval_every, eval_batch_size=cfg.eval_batch_size)
     sim = Simulation(loop, data, server, engine, eval_model,
@@ -285,7 +296,8 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
 RESUME_FREE_KEYS = ("resume", "checkpoint_every", "logger.", "eval_batch_size", "engine.name", "engine.num_workers",
                     "engine.device", "engine.cpus_per_worker", "engine.gpus_per_worker", "engine.threads_per_worker",
                     "engine.max_restarts", "engine.scheduler_smoothing", "engine.address", "engine.fault_injection",
-                    "engine.state_cache_mb", "engine.state_fsync", "engine.cohort_size",
+                    "engine.state_cache_mb", "engine.state_fsync", "engine.cohort_size", "engine.eval_device",
+                    "engine.start_timeout_s",
                     "engine.runtime_env", "engine.state_dir_shared")
 
 

@@ -28,7 +28,7 @@ class InlineEngine(Engine):
         self.setup = setup
         self.num_workers = num_workers
         self.distributed = setup.state_store == "distributed"
-        options = WorkerOptions(num_workers=num_workers)
+        options = WorkerOptions(num_workers=num_workers, device_share=1.0 / num_workers)
         first = Worker(0, setup, options)
         workers = [first]
         for i in range(1, num_workers):

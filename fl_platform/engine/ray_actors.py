@@ -96,6 +96,32 @@ class RayWorker(Worker):
                 self._node_dir.parent.rmdir()
 
 
+class EvalSlot:
+    """Holds the GPU share the driver evaluates on (``engine.eval_device=cuda``), on the driver's node,
+    so that Ray gives it to no worker. It does nothing but say which GPU Ray assigned it."""
+
+    def gpu_ids(self) -> list[int]:
+        import ray
+
+        return [int(i) for i in ray.get_gpu_ids()]
+
+
+def hold_eval_gpu(share: float, timeout: float = START_TIMEOUT_S) -> tuple[Any, int]:
+    """(the slot actor, the physical GPU id Ray reserved for the driver's evaluation)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    slot = ray.remote(EvalSlot).options(num_cpus=0, num_gpus=share, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        ray.get_runtime_context().get_node_id(), soft=False)).remote()
+    try:
+        ids = ray.get(slot.gpu_ids.remote(), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        ray.kill(slot)
+        raise RuntimeError(f"the driver's node has no free {share:g} GPU for evaluation (engine.eval_device=cuda) "
+                           f"within {timeout:g} s; free now: {ray.available_resources()}") from None
+    return slot, ids[0]
+
+
 class ActorPool:
     """One live actor per worker id, each pinned to a node once it started there."""
 
@@ -128,15 +154,31 @@ class ActorPool:
                                 max_restarts=0, max_task_retries=0, scheduling_strategy=strategy)
         return cls.remote(worker_id, self._setup_ref, self._options(worker_id, self.incarnation[worker_id]))
 
-    def ping_all(self) -> None:
+    def ping_all(self, timeout: float = START_TIMEOUT_S) -> None:
         """Wait until every actor is up (its Worker built) and record its node; a failure in a
-        constructor is raised as is."""
+        constructor is raised as is. Actors still pending after ``timeout`` seconds (no node has the
+        resources one asks for) raise an error naming what they ask and what the nodes have."""
         ray = self._ray
+        refs = [a.node_info.remote() for a in self.actors]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        if pending:
+            raise RuntimeError(f"Ray workers {sorted(refs.index(r) for r in pending)} did not start within {timeout:g} s "
+                               f"(engine.start_timeout_s): {self.unplaceable()}")
         try:
-            infos = ray.get([a.node_info.remote() for a in self.actors])
+            infos = ray.get(refs)
         except ray.exceptions.RayTaskError as err:
             raise err.as_instanceof_cause() from None
         self.nodes = [info["node_id"] for info in infos]
+
+    def unplaceable(self) -> str:
+        """What a worker asks for and what each alive node has free (why actors stay pending)."""
+        p = self.placement
+        nodes = [f"{n['NodeID'][:12]}: {n['Resources'].get('CPU', 0):g} CPUs, {n['Resources'].get('GPU', 0):g} GPUs"
+                 for n in self._ray.nodes() if n.get("Alive")]
+        return (f"each asks for {p.cpus_per_worker:g} CPUs and {p.gpus_per_worker:g} GPUs on one node"
+                f"{f', the driver evaluation {p.eval_gpus:g} GPU on the driver node' if p.eval_gpus else ''}; free "
+                f"now: {self._ray.available_resources()}; nodes: {'; '.join(nodes)}. Lower engine.num_workers or the "
+                f"per-worker resources, or add nodes")
 
     def alive_nodes(self) -> set[str]:
         return {n["NodeID"] for n in self._ray.nodes() if n.get("Alive")}

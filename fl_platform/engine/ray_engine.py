@@ -39,8 +39,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fl_platform.core import Broadcast, RoundContext
-from fl_platform.engine.ray_actors import ActorPool
+from fl_platform.engine.ray_actors import START_TIMEOUT_S, ActorPool, hold_eval_gpu
 from fl_platform.engine.ray_cluster import connect
 from fl_platform.engine.ray_placement import conf_value, plan_placement
 from fl_platform.engine.ray_state import Lending
@@ -62,13 +64,40 @@ INLINE_BYTES = 64 * 1024
 PART_BYTES = 64 * 2**20
 
 
+def driver_cuda_device(gpu: int) -> torch.device:
+    """This process's torch device for the physical GPU ``gpu`` of its node (as Ray numbers them), or the
+    CPU when this process has no CUDA (Ray's GPUs only declared, as in tests)."""
+    import os
+
+    if not torch.cuda.is_available():
+        log.warning("Ray holds GPU %d for the driver's evaluation, but this process has no CUDA: evaluating "
+                    "on the CPU", gpu)
+        return torch.device("cpu")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",")] if visible else None
+    if ids is not None and str(gpu) not in ids:
+        raise RuntimeError(f"Ray reserved GPU {gpu} for the driver's evaluation, but this process sees only "
+                           f"CUDA_VISIBLE_DEVICES={visible}")
+    return torch.device(f"cuda:{ids.index(str(gpu)) if ids is not None else gpu}")
+
+
 class RayEngine(Engine):
     def __init__(self, setup: ExperimentSetup, cfg: Any) -> None:
         import ray
 
         self._ray = ray
         self._owns_ray = connect(cfg)
-        self.placement = plan_placement(cfg, setup.device, ray.cluster_resources())
+        eval_setting = str(conf_value(cfg, "eval_device", "auto"))
+        if eval_setting.startswith("cuda:"):
+            raise ValueError(f"engine.eval_device={eval_setting}: with engine=ray say cuda, and Ray picks the GPU "
+                             f"whose share it holds for the driver")
+        self.start_timeout_s = float(conf_value(cfg, "start_timeout_s", START_TIMEOUT_S))
+        self.placement = plan_placement(cfg, setup.device, ray.cluster_resources(), eval_on_gpu=eval_setting == "cuda")
+        self._eval_slot: Any = None
+        self.eval_device = torch.device("cpu")  # auto and cpu: the driver's CPU, outside the workers' GPUs
+        if self.placement.eval_gpus:
+            self._eval_slot, gpu = hold_eval_gpu(self.placement.eval_gpus, self.start_timeout_s)
+            self.eval_device = driver_cuda_device(gpu)
         num_workers = self.num_workers = self.placement.num_workers
         self.max_restarts = int(conf_value(cfg, "max_restarts", 3))
         self.shared = bool(conf_value(cfg, "state_dir_shared", False))
@@ -96,7 +125,7 @@ class RayEngine(Engine):
         self.fault_round = None if fault_round is None else int(fault_round) - 1
         t0 = time.perf_counter()
         self.pool = ActorPool(self.placement, ray.put(Packed(self.setup)), self._options)
-        self.pool.ping_all()
+        self.pool.ping_all(self.start_timeout_s)
         self.stateful = bool(ray.get(self.pool[0].is_stateful.remote()))
         self.state_nbytes = int(ray.get(self.pool[0].state_nbytes.remote())) if self.stateful else 0
         self.startup_s = time.perf_counter() - t0
@@ -117,6 +146,7 @@ class RayEngine(Engine):
             incarnation=incarnation,
             fault_client=self.fault_client,
             fault_round=self.fault_round,
+            device_share=self.placement.gpus_per_worker if self.placement.uses_gpu else 1.0 / self.num_workers,
         )
 
     @property
@@ -362,5 +392,7 @@ class RayEngine(Engine):
 
     def close(self) -> None:
         self.pool.close()
+        if self._eval_slot is not None:
+            self._ray.kill(self._eval_slot)
         if self._owns_ray:
             self._ray.shutdown()

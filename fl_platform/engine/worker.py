@@ -54,6 +54,7 @@ class WorkerOptions:
     incarnation: int = 0  # 0 for the first actor of this worker id, +1 per restart
     fault_client: int | None = None  # TEST ONLY: the process exits when it starts training this client...
     fault_round: int | None = None  # ...in this round (0-based; None: any round), first incarnation only
+    device_share: float = 1.0  # the fraction of its device's memory this worker may use (cohort_size=auto)
 
 
 @dataclass
@@ -246,8 +247,16 @@ class Worker:
         if self._per_client_bytes is None:
             state_numel = sum(spec.size for spec in self.store.specs.values())
             self._per_client_bytes = self.cohort.per_client_bytes(self.data.train_x, 4 * state_numel)
-        free = free_memory(self.device) // max(1, self.options.num_workers)
-        return auto_cohort_size(self._per_client_bytes, remaining, free)
+        return auto_cohort_size(self._per_client_bytes, remaining, self.memory_budget())
+
+    def memory_budget(self) -> int:
+        """Bytes of its device this worker may fill: its share of the GPU (``device_share``, e.g. the
+        GPU fraction Ray gave it) but no more than is free now; on the CPU, its share of the free RAM."""
+        free = free_memory(self.device)
+        if self.device.type == "cuda":
+            total = torch.cuda.mem_get_info(self.device)[1]
+            return min(free, int(total * self.options.device_share))
+        return int(free * self.options.device_share)
 
     def _cohort_update(self, cid: int) -> ClientUpdate:
         """The next update of the chunk in training (clients come in order); raises its NonFiniteError."""

@@ -165,7 +165,7 @@ class Checkpointer:
         if not state.is_file():
             raise CheckpointError(f"{state} is missing")
         try:
-            data = torch.load(state, weights_only=False)
+            data = torch.load(state, map_location="cpu", weights_only=False)
         except Exception as err:  # whatever the unpickler or zip reader raises means unreadable
             raise CheckpointError(f"{state} is unreadable ({type(err).__name__}: {err})") from None
         if not isinstance(data, dict) or "server" not in data:

@@ -46,6 +46,9 @@ class StateLost(RuntimeError):
 
 class Engine(ABC):
     num_workers: int
+    #: Where the driver evaluates, when the engine decides it (the Ray engine holds a GPU share for it);
+    #: None: the driver's own choice.
+    eval_device: torch.device | None = None
 
     @abstractmethod
     def run_round(self, ctx: RoundContext, broadcast: Broadcast) -> list[WorkerResult]:

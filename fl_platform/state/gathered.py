@@ -46,4 +46,4 @@ def state_files(directory: Path | None) -> list[Path]:
 def iter_states(files: list[Path]) -> Iterator[dict[int, State]]:
     """One ``{client id: state}`` dictionary per file (at most one part in memory at a time)."""
     for path in files:
-        yield torch.load(path, weights_only=True)
+        yield torch.load(path, map_location="cpu", weights_only=True)

@@ -126,7 +126,7 @@ class MemoryStore(StateStore):
         if self.specs and not path.exists():  # never an empty store where the checkpoint had states
             raise FileNotFoundError(f"checkpoint {directory} has no client states for this store ({self.filename}); "
                                     f"it was made by another engine or state store")
-        self._states = torch.load(path, weights_only=True) if path.exists() else {}
+        self._states = torch.load(path, map_location="cpu", weights_only=True) if path.exists() else {}
 
     def client_ids(self) -> list[int]:
         return sorted(self._states)
