@@ -162,8 +162,11 @@ class ActorPool:
         refs = [a.node_info.remote() for a in self.actors]
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         if pending:
+            reason = self.unplaceable()
+            for actor in self.actors:  # none is left waiting for resources
+                ray.kill(actor, no_restart=True)
             raise RuntimeError(f"Ray workers {sorted(refs.index(r) for r in pending)} did not start within {timeout:g} s "
-                               f"(engine.start_timeout_s): {self.unplaceable()}")
+                               f"(engine.start_timeout_s): {reason}")
         try:
             infos = ray.get(refs)
         except ray.exceptions.RayTaskError as err:
@@ -175,10 +178,11 @@ class ActorPool:
         p = self.placement
         nodes = [f"{n['NodeID'][:12]}: {n['Resources'].get('CPU', 0):g} CPUs, {n['Resources'].get('GPU', 0):g} GPUs"
                  for n in self._ray.nodes() if n.get("Alive")]
+        free = self._ray.available_resources()
         return (f"each asks for {p.cpus_per_worker:g} CPUs and {p.gpus_per_worker:g} GPUs on one node"
                 f"{f', the driver evaluation {p.eval_gpus:g} GPU on the driver node' if p.eval_gpus else ''}; free "
-                f"now: {self._ray.available_resources()}; nodes: {'; '.join(nodes)}. Lower engine.num_workers or the "
-                f"per-worker resources, or add nodes")
+                f"now: {free.get('CPU', 0):g} CPUs, {free.get('GPU', 0):g} GPUs; nodes: {'; '.join(nodes)}. Lower "
+                f"engine.num_workers or the per-worker resources, or add nodes")
 
     def alive_nodes(self) -> set[str]:
         return {n["NodeID"] for n in self._ray.nodes() if n.get("Alive")}
