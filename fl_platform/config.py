@@ -216,13 +216,23 @@ class NonFinitePolicy(StrEnum):
     skip = "skip"
 
 
+class SchedulerPolicy(StrEnum):
+    lpt = "lpt"  # longest-processing-time-first on each worker's measured speed
+    round_robin = "round_robin"  # the i-th sampled client to worker i mod W, whatever the speeds
+
+
 @dataclass
 class FaultInjectionConf:
     """TEST ONLY: the Ray worker that trains ``client`` exits abruptly (os._exit) when it starts it,
-    in round ``round`` (1-based; None: the first time); the engine must recover with the same result."""
+    in round ``round`` (1-based; None: the first time); the engine must recover with the same result.
+    ``slow_worker``/``slow_factor`` make one worker slower (scheduler tests): timing changes, results not."""
 
     client: int | None = None
     round: int | None = None
+    # TEST ONLY: worker ``slow_worker`` (inline or Ray) sleeps (slow_factor - 1) x each client's
+    # measured training time after it, so its clients really take slow_factor times as long.
+    slow_worker: int | None = None
+    slow_factor: float = 1.0
 
 
 @dataclass
@@ -243,6 +253,7 @@ class EngineConf:
     state_fsync: bool = False  # disk stores: fsync client-state files and folders (survive a machine crash)
     nonfinite: NonFinitePolicy = NonFinitePolicy.fail
     max_restarts: int = 3  # ray: a dead worker is restarted (and its clients rerun) at most this often per round
+    scheduler: SchedulerPolicy = SchedulerPolicy.lpt  # how a round's clients are spread over workers
     scheduler_smoothing: float = 0.5  # weight of the newest round in each worker's runtime estimate
     address: str | None = None  # ray: an existing cluster to join (host:port of its head, or "auto"); None starts a local one
     # ray: the job's runtime_env. auto = ship this checkout (code + conf/) when joining a cluster;

@@ -77,6 +77,12 @@ def validate(cfg: DictConfig) -> None:
         (engine.start_timeout_s > 0, "engine.start_timeout_s", f"must be > 0, got {engine.start_timeout_s}"),
         (engine.fault_injection.client is None or enum_value(engine.name) == "ray", "engine.fault_injection",
          "is a test-only fault for Ray workers; it needs engine=ray"),
+        (engine.fault_injection.slow_worker is not None or engine.fault_injection.slow_factor == 1.0,
+         "engine.fault_injection.slow_factor", "slows the worker named by engine.fault_injection.slow_worker "
+         "(test only); set that too, or leave slow_factor at 1.0"),
+        (engine.fault_injection.slow_worker is None or engine.fault_injection.slow_factor > 1.0,
+         "engine.fault_injection.slow_worker", f"(test only) needs engine.fault_injection.slow_factor > 1, got "
+         f"{engine.fault_injection.slow_factor}"),
         (not engine.state_fsync or engine.state_store == "disk"
          or (engine.state_store == "distributed" and engine.state_backend == "disk"), "engine.state_fsync",
          f"needs client-state files (engine.state_store=disk, or distributed with state_backend=disk); got "
@@ -221,8 +227,11 @@ def make_engine(cfg: DictConfig, setup: ExperimentSetup) -> Engine:
     if name == "inline":
         from fl_platform.engine.inline import InlineEngine
 
+        fault = cfg.engine.fault_injection
         return InlineEngine(setup, num_workers=cfg.engine.num_workers or 1,
-                            scheduler_smoothing=cfg.engine.scheduler_smoothing)
+                            scheduler_smoothing=cfg.engine.scheduler_smoothing,
+                            scheduler=enum_value(cfg.engine.scheduler), slow_worker=fault.slow_worker,
+                            slow_factor=fault.slow_factor)
     if name == "ray":
         from fl_platform.engine.ray_engine import RayEngine
 
@@ -298,7 +307,7 @@ RESUME_FREE_KEYS = ("resume", "checkpoint_every", "logger.", "eval_batch_size", 
                     "engine.max_restarts", "engine.scheduler_smoothing", "engine.address", "engine.fault_injection",
                     "engine.state_cache_mb", "engine.state_fsync", "engine.cohort_size", "engine.eval_device",
                     "engine.start_timeout_s",
-                    "engine.runtime_env", "engine.state_dir_shared")
+                    "engine.runtime_env", "engine.state_dir_shared", "engine.scheduler")
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fl_platform.core import Broadcast, RoundContext
-from fl_platform.engine.scheduler import Scheduler
+from fl_platform.engine.scheduler import Scheduler, check_slow_worker
 from fl_platform.engine.worker import Worker, WorkerOptions
 from fl_platform.rounds.engine import Engine, WorkerResult
 from fl_platform.rounds.setup import ExperimentSetup
@@ -22,23 +22,31 @@ from fl_platform.state.gathered import FOLDER, iter_states, state_files
 
 
 class InlineEngine(Engine):
-    def __init__(self, setup: ExperimentSetup, num_workers: int = 1, *, scheduler_smoothing: float = 0.5) -> None:
+    def __init__(self, setup: ExperimentSetup, num_workers: int = 1, *, scheduler_smoothing: float = 0.5,
+                 scheduler: str = "lpt", slow_worker: int | None = None, slow_factor: float = 1.0) -> None:
+        """``slow_worker``/``slow_factor``: TEST ONLY, that worker's clients take ``slow_factor`` times
+        as long (``engine.fault_injection.slow_worker``)."""
         if num_workers < 1:
             raise ValueError(f"engine.num_workers must be >= 1, got {num_workers}")
+        check_slow_worker(slow_worker, num_workers)
         self.setup = setup
         self.num_workers = num_workers
         self.distributed = setup.state_store == "distributed"
-        options = WorkerOptions(num_workers=num_workers, device_share=1.0 / num_workers)
-        first = Worker(0, setup, options)
+
+        def options(i: int) -> WorkerOptions:
+            return WorkerOptions(num_workers=num_workers, device_share=1.0 / num_workers,
+                                 slow_factor=slow_factor if i == slow_worker else 1.0)
+
+        first = Worker(0, setup, options(0))
         workers = [first]
         for i in range(1, num_workers):
             # One shared store unless each worker is the home of its own clients.
-            workers.append(Worker(i, setup, options, store=None if self.distributed else first.store))
+            workers.append(Worker(i, setup, options(i), store=None if self.distributed else first.store))
         self.workers = workers
         self.stateful = first.stateful
         home = (lambda c: home_worker(c, num_workers)) if self.distributed and self.stateful else None
         self.scheduler = Scheduler(num_workers, setup.dataset.client_sizes(), setup.train, home=home,
-                                   smoothing=scheduler_smoothing)
+                                   smoothing=scheduler_smoothing, policy=scheduler)
         self._stats: dict[str, Any] = {}
 
     def run_round(self, ctx: RoundContext, broadcast: Broadcast) -> list[WorkerResult]:

@@ -46,7 +46,7 @@ from fl_platform.engine.ray_actors import START_TIMEOUT_S, ActorPool, hold_eval_
 from fl_platform.engine.ray_cluster import connect
 from fl_platform.engine.ray_placement import conf_value, plan_placement
 from fl_platform.engine.ray_state import Lending
-from fl_platform.engine.scheduler import Scheduler
+from fl_platform.engine.scheduler import Scheduler, check_slow_worker
 from fl_platform.engine.transport import Packed
 from fl_platform.engine.worker import WorkerOptions
 from fl_platform.rounds.engine import Engine, StateLost, WorkerResult
@@ -123,6 +123,9 @@ class RayEngine(Engine):
         self.fault_client = conf_value(fault, "client")
         fault_round = conf_value(fault, "round")  # 1-based in the config, as in metrics.jsonl
         self.fault_round = None if fault_round is None else int(fault_round) - 1
+        self.slow_worker = conf_value(fault, "slow_worker")  # TEST ONLY: this worker's clients take
+        self.slow_factor = float(conf_value(fault, "slow_factor", 1.0))  # slow_factor x as long
+        check_slow_worker(self.slow_worker, num_workers)
         t0 = time.perf_counter()
         self.pool = ActorPool(self.placement, ray.put(Packed(self.setup)), self._options)
         self.pool.ping_all(self.start_timeout_s)
@@ -132,7 +135,8 @@ class RayEngine(Engine):
         self.lend = self.stateful and not self.shared and num_workers > 1
         home = (lambda c: home_worker(c, num_workers)) if self.lend else None
         self.scheduler = Scheduler(num_workers, setup.dataset.client_sizes(), setup.train, home=home,
-                                   smoothing=float(conf_value(cfg, "scheduler_smoothing", 0.5)))
+                                   smoothing=float(conf_value(cfg, "scheduler_smoothing", 0.5)),
+                                   policy=str(conf_value(cfg, "scheduler", "lpt")))
         self.manifest = Manifest()
         self._loaded: dict[str, Any] | None = None  # a checkpoint's client_states, until restore_state
         self._lost: str | None = None  # why states were lost: no round runs until restore_state
@@ -146,6 +150,7 @@ class RayEngine(Engine):
             incarnation=incarnation,
             fault_client=self.fault_client,
             fault_round=self.fault_round,
+            slow_factor=self.slow_factor if worker_id == self.slow_worker else 1.0,
             device_share=self.placement.gpus_per_worker if self.placement.uses_gpu else 1.0 / self.num_workers,
         )
 

@@ -54,6 +54,7 @@ class WorkerOptions:
     incarnation: int = 0  # 0 for the first actor of this worker id, +1 per restart
     fault_client: int | None = None  # TEST ONLY: the process exits when it starts training this client...
     fault_round: int | None = None  # ...in this round (0-based; None: any round), first incarnation only
+    slow_factor: float = 1.0  # TEST ONLY: each client takes this many times its measured time (a sleep)
     device_share: float = 1.0  # the fraction of its device's memory this worker may use (cohort_size=auto)
 
 
@@ -144,7 +145,8 @@ class Worker:
                 self._fold(update, acc)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            acc.seconds[cid] = time.perf_counter() - t0 - chunk_seconds + self._shares.get(cid, 0.0)
+            seconds = time.perf_counter() - t0 - chunk_seconds + self._shares.get(cid, 0.0)
+            acc.seconds[cid] = seconds + self._slow_down(seconds)
         outbox: dict[int, State] = {}
         if self.stateful:
             # Written only now that the whole round succeeded (see the module docstring). In a
@@ -291,6 +293,15 @@ class Worker:
             log.warning("fault injection: worker %d exits on client %d in round %d", self.worker_id, cid,
                         ctx.round + 1)
             os._exit(17)
+
+    def _slow_down(self, seconds: float) -> float:
+        """TEST ONLY (``engine.fault_injection.slow_worker``): stretch a client that took ``seconds``
+        to ``slow_factor`` times as long, like slower hardware. Returns the seconds added."""
+        if self.options.slow_factor == 1.0:
+            return 0.0
+        t0 = time.perf_counter()
+        time.sleep(max(seconds, 0.0) * (self.options.slow_factor - 1.0))
+        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ distributed state
 

@@ -35,7 +35,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, fmt, hardware_line, run_child, write_section
+from common import add_output_args, fmt, hardware_line, parse_systems, run_child, write_section
 
 SYSTEMS = {"ray2": ["engine=ray", "engine.num_workers=2"], "inline2": ["engine=inline", "engine.num_workers=2"]}
 POLICIES = ["lpt", "round_robin"]
@@ -137,14 +137,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--slow-factor", type=float, default=3.0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per (system, policy) process")
-    p.add_argument("--results", type=Path, default=REPO / "docs" / "results" / "bench_scheduler.json")
-    p.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
-    p.add_argument("--no-write", action="store_true", help="print the table, do not touch the results or the doc")
+    add_output_args(p, "scheduler")
     a = p.parse_args()
-    systems = [s for s in a.systems.split(",") if s]
-    for s in systems:
-        if s not in SYSTEMS:
-            p.error(f"--systems: unknown {s!r}; choose from {', '.join(SYSTEMS)}")
+    systems = parse_systems(p, a.systems, SYSTEMS)
     if a.rounds < 2:
         p.error("--rounds must be >= 2 (round 1 calibrates)")
     if a.slow_factor <= 1.0:
