@@ -5,6 +5,7 @@ does, and write a section of ``docs/benchmarks.md`` between markers without touc
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -68,8 +69,11 @@ class PeakRSS:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, tree_rss(self.pid))
+            self.sample()
             self._stop.wait(self.interval)
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, tree_rss(self.pid))
 
     def __enter__(self) -> PeakRSS:
         self._thread.start()
@@ -87,11 +91,14 @@ class ChildResult:
     peak_rss: int = 0
     wall_s: float = 0.0
     error: str = ""
+    monitor: Any = None  # the PeakRSS that sampled the child
 
 
-def run_child(args: list[str], timeout: float, env: dict[str, str] | None = None) -> ChildResult:
+def run_child(args: list[str], timeout: float, env: dict[str, str] | None = None,
+              monitor: Callable[[int], PeakRSS] | None = None) -> ChildResult:
     """Run ``python -c 'import engine; engine.child_main()' <args>`` style commands: the child writes
-    its result as JSON to the file named by ``--out``; the parent samples its process tree's RSS."""
+    its result as JSON to the file named by ``--out``; the parent samples its process tree's RSS
+    (with ``monitor(pid)``, a ``PeakRSS`` or a subclass, when given; ``ChildResult.monitor`` is it)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         out = Path(fh.name)
     child_env = {**os.environ, **(env or {})}
@@ -102,7 +109,7 @@ def run_child(args: list[str], timeout: float, env: dict[str, str] | None = None
     log: list[str] = []
     reader = threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
     reader.start()
-    with PeakRSS(proc.pid) as rss:
+    with (monitor or PeakRSS)(proc.pid) as rss:
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -117,8 +124,8 @@ def run_child(args: list[str], timeout: float, env: dict[str, str] | None = None
         out.unlink(missing_ok=True)
     if proc.returncode != 0 or not data:
         tail = "".join(log)[-3000:]
-        return ChildResult(False, data, rss.peak, wall, f"exit code {proc.returncode}: {tail}")
-    return ChildResult(True, data, rss.peak, wall)
+        return ChildResult(False, data, rss.peak, wall, f"exit code {proc.returncode}: {tail}", rss)
+    return ChildResult(True, data, rss.peak, wall, monitor=rss)
 
 
 def _kill_tree(pid: int) -> None:
@@ -190,6 +197,22 @@ def spread(row: dict[str, Any]) -> str:
     if len(runs) < 2:
         return ""
     return f"{min(runs) * 1e3:.1f}-{max(runs) * 1e3:.1f}"
+
+
+def add_output_args(p: argparse.ArgumentParser, name: str) -> None:
+    """``--results`` (raw rows, ``docs/results/bench_<name>.json``), ``--doc`` and ``--no-write``."""
+    p.add_argument("--results", type=Path, default=REPO / "docs" / "results" / f"bench_{name}.json")
+    p.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
+    p.add_argument("--no-write", action="store_true", help="print the table, do not touch the results or the doc")
+
+
+def parse_systems(p: argparse.ArgumentParser, value: str, known: Any) -> list[str]:
+    """The comma list ``value`` of systems, each one of ``known`` (else the parser's usage error)."""
+    systems = [s for s in value.split(",") if s]
+    for s in systems:
+        if s not in known:
+            p.error(f"--systems: unknown {s!r}; choose from {', '.join(known)}")
+    return systems
 
 
 def write_section(path: Path, name: str, body: str, title: str = "# Benchmarks") -> None:
