@@ -93,11 +93,14 @@ class Partition:
         """Raise ValueError unless indices are in range and disjoint (and, if ``complete``, cover all)."""
         if len(self.indices) and (self.indices.min() < 0 or self.indices.max() >= num_samples):
             raise ValueError(f"partition indices outside [0, {num_samples})")
-        hits = np.bincount(self.indices, minlength=num_samples)
-        if len(hits) and hits.max() > 1:
-            raise ValueError(
-                f"partition is not disjoint: {int((hits > 1).sum())} samples owned by several clients"
-            )
+        # Strictly increasing indices (natural partitions of sorted groups) are disjoint: no count
+        # per sample needed (an int64 array as long as the data set).
+        if len(self.indices) > 1 and not np.all(self.indices[1:] > self.indices[:-1]):
+            hits = np.bincount(self.indices, minlength=num_samples)
+            if hits.max() > 1:
+                raise ValueError(
+                    f"partition is not disjoint: {int((hits > 1).sum())} samples owned by several clients"
+                )
         if complete and len(self.indices) != num_samples:
             raise ValueError(f"partition covers {len(self.indices)} of {num_samples} samples")
 
@@ -331,15 +334,26 @@ def natural(groups: np.ndarray, num_clients: int | None = None) -> Partition:
     groups = np.asarray(groups)
     if groups.ndim != 1:
         raise ValueError(f"natural: groups must be one-dimensional, got shape {groups.shape}")
-    uniq, inverse = np.unique(groups, return_inverse=True)
+    # Groups in sorted order (each one run, as Synthetic's devices): the runs' boundaries give the
+    # same partition without np.unique's sorted copy and inverse (arrays as long as the data set).
+    runs = len(groups) > 1 and bool(np.all(groups[1:] >= groups[:-1]))
+    if runs:
+        starts = np.flatnonzero(groups[1:] != groups[:-1]) + 1
+        num_groups = len(starts) + 1
+    else:
+        uniq, inverse = np.unique(groups, return_inverse=True)
+        num_groups = len(uniq)
     if num_clients is None:
-        num_clients = len(uniq)
+        num_clients = num_groups
     if int(num_clients) != num_clients or num_clients < 1:
         raise ValueError(f"natural: num_clients must be a positive integer, got {num_clients!r}")
-    if num_clients > len(uniq):
+    if num_clients > num_groups:
         raise ValueError(
-            f"natural: num_clients={num_clients} is more than the {len(uniq)} groups in the data"
+            f"natural: num_clients={num_clients} is more than the {num_groups} groups in the data"
         )
+    if runs:
+        offsets = np.concatenate([[0], starts, [len(groups)]])[: int(num_clients) + 1]
+        return Partition(np.arange(offsets[-1], dtype=np.int64), offsets)
     inverse = inverse.reshape(-1).astype(np.int64)
     inverse[inverse >= num_clients] = -1
     return Partition.from_assignment(inverse, int(num_clients))

@@ -81,6 +81,23 @@ def test_natural_partition_is_one_client_per_group(problem):
         assert set(np.unique(groups[first.indices])) == set(uniq[:2])
 
 
+@settings(max_examples=15, deadline=None)
+@given(problem=labelled_problem())
+def test_natural_partition_of_sorted_groups_is_their_runs(problem):
+    """Sorted group ids (Synthetic's devices) take the runs' boundaries instead of np.unique: same result."""
+    labels, _, seed = problem
+    groups = np.sort(np.random.default_rng(seed).integers(0, 7, len(labels)) * 3 + 100)
+    uniq = np.unique(groups)
+    for k in (None, 1, len(uniq) // 2 or 1, len(uniq)):
+        p = natural(groups, k)
+        assert p.num_clients == (k or len(uniq))
+        for c in range(p.num_clients):
+            assert np.array_equal(p.client(c), np.flatnonzero(groups == uniq[c]))
+        p.validate(len(groups), complete=p.num_clients == len(uniq))
+    with pytest.raises(ValueError, match=f"more than the {len(uniq)} groups"):
+        natural(groups, len(uniq) + 1)
+
+
 @pytest.mark.parametrize("name", SEEDED)
 def test_same_seed_same_partition_different_seed_different(name):
     labels = balanced_labels(10, 100)
@@ -205,6 +222,9 @@ def test_partition_validation_errors():
         Partition(np.array([0, 5]), np.array([0, 2])).validate(3)
     with pytest.raises(ValueError, match="covers 2 of 3"):
         Partition(np.array([0, 2]), np.array([0, 2])).validate(3, complete=True)
+    with pytest.raises(ValueError, match="not disjoint"):  # increasing within clients, not overall
+        Partition(np.array([0, 1, 1, 2]), np.array([0, 2, 4])).validate(3)
+    Partition(np.array([2, 0, 1]), np.array([0, 1, 3])).validate(3, complete=True)  # disjoint, not sorted
 
 
 def test_unknown_partitioner_names_the_valid_ones():

@@ -83,16 +83,16 @@ def load_synthetic(
     n_train = np.clip(n_train, 1, sizes - 1)  # every device keeps >= 1 train and >= 1 test sample
     n_test = sizes - n_train
 
-    # Per-device priors and feature means (one small array each; no per-device objects).
+    # Per-device priors (one small array each; no per-device objects). The feature means v_k
+    # (devices x features) are drawn chunk by chunk below, in the same order as one draw of them
+    # all: the same numbers, without a devices x features array (240 MB at a million devices).
     if iid:
         u = np.zeros(num_clients, dtype=np.float32)
-        means = np.zeros((num_clients, num_features), dtype=np.float32)
         shared_w = rng_model.standard_normal((num_features, num_classes), dtype=np.float32)
         shared_b = rng_model.standard_normal(num_classes, dtype=np.float32)
     else:
         u = (rng_priors.standard_normal(num_clients) * alpha).astype(np.float32)
         big_b = rng_priors.standard_normal(num_clients) * beta
-        means = (big_b[:, None] + rng_priors.standard_normal((num_clients, num_features))).astype(np.float32)
     feature_std = np.arange(1, num_features + 1, dtype=np.float64) ** (-1.2 / 2)  # sqrt(Sigma_jj)
     feature_std = feature_std.astype(np.float32)
 
@@ -112,7 +112,9 @@ def load_synthetic(
         local_dev = np.repeat(np.arange(nd), sizes[d0:d1])
         x = rng_x.standard_normal((len(local_dev), num_features), dtype=np.float32)
         x *= feature_std
-        x += means[d0:d1][local_dev]
+        if not iid:  # (IID: v = 0)
+            means = (big_b[d0:d1, None] + rng_priors.standard_normal((nd, num_features))).astype(np.float32)
+            x += means[local_dev]
         if iid:
             logits = x @ shared_w + shared_b
         else:
