@@ -66,3 +66,23 @@ def test_only_packed_values_are_affected():
     """Plain tensors elsewhere in the process keep torch's own pickling (no process-wide serialiser)."""
     wire = pickle.dumps(torch.randn(3), protocol=5)
     assert b"_rebuild_tensor" in wire
+
+
+def test_a_datasets_tensors_arrive_as_views_of_the_received_buffers():
+    """The dataset is not copied on arrival (through Ray: every worker of a node reads the node's
+    object-store copy); other tensors of the same message are writable copies."""
+    from fl_platform.datasets.federated import build_federated_dataset
+    from fl_platform.rounds.setup import ExperimentSetup
+
+    data = build_federated_dataset("synthetic", num_clients=5, seed=0)
+    message = {"setup": ExperimentSetup(data, None, "fedavg", None, None, 0), "weights": torch.randn(4)}
+    buffers: list[pickle.PickleBuffer] = []
+    wire = pickle.dumps(Packed(message), protocol=5, buffer_callback=buffers.append)
+    got = pickle.loads(wire, buffers=[memoryview(b).toreadonly() for b in buffers])  # read-only, as Ray's
+    ds = got["setup"].dataset
+    for name in ("train_x", "train_y", "test_x", "test_y"):
+        assert getattr(ds, name).data_ptr() == getattr(data, name).data_ptr()  # the buffer itself, no copy
+        assert torch.equal(getattr(ds, name), getattr(data, name))
+    assert got["weights"].data_ptr() != message["weights"].data_ptr()
+    got["weights"].add_(1)  # still a writable copy
+    assert torch.equal(ds.client_indices(3), data.client_indices(3))
