@@ -587,7 +587,7 @@ def main_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str]
         same = tag == "fedavg"
         rows.append([row.label, str(len(acc)), fmt_mean(interval(list(acc.values()))), "-" if same else fmt_diff(d),
                      "-" if same else fmt_p(d), "-" if same else reading(d), *(f(r) for f in (extra or {}).values()),
-                     f"{seconds_per_round(r.values()):.2f}",
+                     f"{seconds_per_round(r.values()):.3g}",
                      f"{statistics.fmean(run['stats']['cpu_s'] for run in r.values()):.0f}"])
     return md_table(header, rows), diffs
 
