@@ -22,6 +22,7 @@ from fl_platform.compression.uplink import ROUND_KEY, UplinkCompression, make_up
 from fl_platform.core import Broadcast, ClientUpdate, RoundContext
 from fl_platform.experiment import build, run_experiment
 from fl_platform.rounds.sampling import sample_clients
+from fl_platform.state.manifest import ROUND_KEY as STAMP
 from fl_platform.training.flat import FlatModel
 
 SMALL = ["rounds=3", "num_clients=8", "clients_per_round=4", "train.epochs=1", "save_model=false", "seed=1"]
@@ -206,7 +207,7 @@ def test_scaffold_with_topk_compresses_the_model_delta_and_sends_the_control_del
         per_client = sum(8 * math.ceil(0.1 * s.numel) for s in fm.slots if s.is_param) + 4 * fm.num_buffers \
             + 4 * fm.num_params
         assert all(r["bytes_up"] == per_client * r["num_clients"] for r in exp.simulation.history)
-        assert set(w.store.specs) == {"c", "ef.delta.residual", ROUND_KEY}
+        assert set(w.store.specs) == {"c", "ef.delta.residual", ROUND_KEY, STAMP}
     finally:
         exp.engine.close()
 
