@@ -92,6 +92,10 @@ class ClientUpdate:
     bytes_up: int = 0
     finite: bool | None = None  # known already (checked for a whole cohort in one reduction), or None
 
+    def nbytes(self) -> int:
+        """Bytes of its tensors (what it weighs in a message)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
     def is_finite(self) -> bool:
         if self.finite is not None:
             return self.finite
@@ -119,6 +123,10 @@ class Aggregate:
         for name, w in weights.items():
             self.weights[name] = self.weights.get(name, 0.0) + float(w)
         self.count += count
+
+    def nbytes(self) -> int:
+        """Bytes of its tensors (what it weighs in a message)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def add_update(self, update: ClientUpdate) -> None:
         self.add(update.tensors, update.weights)

@@ -91,3 +91,22 @@ def test_removed_ray_paths_are_refused(key):
     unknown now, not silently ignored."""
     with pytest.raises(Exception, match=key.split("=")[0].split(".")[1]):
         compose_config(*COMMON, key)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_the_driver_receives_one_aggregate_whatever_the_number_of_workers(ray_session, workers):
+    """Partial aggregates are reduced among the workers (a binary tree through the object store): the
+    driver's inbound tensors per round are one float64 model vector, for 1, 2 or 4 workers (4 on the
+    session's 2 CPUs at half a CPU each), and the result equals inline's."""
+    ref = run("engine=inline")
+    exp = build(compose_config(*COMMON, "engine=ray", f"engine.num_workers={workers}",
+                               f"engine.cpus_per_worker={min(1.0, 2 / workers)}"))
+    try:
+        exp.simulation.run()
+        vector_bytes = 8 * exp.simulation.server.weights.numel()
+        assert [row["sched_driver_in_bytes"] for row in exp.simulation.history] == [vector_bytes] * 3
+    finally:
+        exp.engine.close()
+    rows = [{k: v for k, v in row.items() if not is_timing_key(k)} for row in exp.simulation.history]
+    assert_same(ref, (exp.simulation.server.weights.clone(), rows))

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fl_platform.core import Broadcast, RoundContext
+from fl_platform.core import Aggregate, Broadcast, RoundContext
 from fl_platform.engine.ray_placement import Placement
 from fl_platform.engine.transport import Packed
 from fl_platform.engine.worker import Worker, WorkerOptions
@@ -66,20 +66,24 @@ class RayWorker(Worker):
     def name(self) -> str:
         return f"worker {self.worker_id} on node {node_id()[:12]}"
 
-    def run_round_packed(self, ctx: RoundContext, broadcast: Broadcast, client_ids: list[int],
-                         *foreign: dict[int, State | None], expect: dict[int, int] | None = None) -> Packed:
-        return Packed(self.run_round(ctx, broadcast, client_ids, *foreign, expect=expect))
-
-    def run_round_split(self, ctx: RoundContext, broadcast: Broadcast, client_ids: list[int],
-                        *foreign: dict[int, State | None], expect: dict[int, int] | None = None) -> tuple[Packed, ...]:
-        """``run_round``, returning (result, states for home 0, ..., states for home W-1) as separate
-        objects so that each home fetches only its own clients' states."""
+    def run_round_parts(self, ctx: RoundContext, broadcast: Broadcast, client_ids: list[int],
+                        *foreign: dict[int, State | None], expect: dict[int, int] | None = None,
+                        homes: int = 0) -> tuple[Packed, ...]:
+        """``run_round``, returned as separate objects: (the result without its partial aggregate, the
+        partial aggregate) and, with ``homes`` > 0, the new states of lent clients for each home worker.
+        Separate, so that the partial aggregate goes to the worker that reduces it (the driver receives
+        one sum, not W) and each home fetches only its own clients' states."""
         result = self.run_round(ctx, broadcast, client_ids, *foreign, expect=expect)
-        parts: list[dict[int, State]] = [{} for _ in range(self.options.num_workers)]
+        aggregate, result.aggregate = result.aggregate, Aggregate()
+        parts: list[dict[int, State]] = [{} for _ in range(homes)]
         for cid, state in result.outbox.items():
-            parts[home_worker(cid, self.options.num_workers)][cid] = state
+            parts[home_worker(cid, homes)][cid] = state
         result.outbox = {}
-        return tuple(Packed(x) for x in (result, *parts))
+        return tuple(Packed(x) for x in (result, aggregate, *parts))
+
+    def merge(self, own: Aggregate, other: Aggregate) -> Packed:
+        """``own + other`` (float64): one step of the reduction tree among the workers."""
+        return Packed(own.merge(other))
 
     def export_states_packed(self, client_ids: list[int]) -> Packed:
         return Packed(self.export_states(client_ids))

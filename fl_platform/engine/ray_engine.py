@@ -41,13 +41,13 @@ from typing import Any
 
 import torch
 
-from fl_platform.core import Broadcast, RoundContext
+from fl_platform.core import Aggregate, Broadcast, RoundContext
 from fl_platform.engine.ray_actors import START_TIMEOUT_S, ActorPool, hold_eval_gpu
 from fl_platform.engine.ray_cluster import connect
 from fl_platform.engine.ray_placement import conf_value, plan_placement
 from fl_platform.engine.ray_state import Lending
 from fl_platform.engine.scheduler import Scheduler, check_slow_worker
-from fl_platform.engine.transport import Packed
+from fl_platform.engine.transport import Packed, received_bytes
 from fl_platform.engine.worker import WorkerOptions
 from fl_platform.rounds.engine import Engine, StateLost, WorkerResult
 from fl_platform.rounds.setup import ExperimentSetup
@@ -227,11 +227,17 @@ class RayEngine(Engine):
         results: list[WorkerResult | None] = [None] * self.num_workers
         packed = Packed(broadcast)
         bc_ref = ray.put(packed) if broadcast.nbytes() > INLINE_BYTES else packed
+        inbound = received_bytes()
+        partials: list[Any] = [None] * self.num_workers  # references to the workers' partial aggregates
         todo = list(range(self.num_workers))
         for attempt in range(self.max_restarts + 1):
-            failed = self._submit_and_gather(ctx, bc_ref, plan.assignment, expect, lending, todo, results)
+            failed = self._submit_and_gather(ctx, bc_ref, plan.assignment, expect, lending, todo, results, partials)
             if not failed:
-                break
+                t_reduce = time.perf_counter()
+                total = self._reduce(partials)
+                if total is not None:
+                    break
+                failed = set(range(self.num_workers))  # a partial died with its node: the round again
             if attempt == self.max_restarts:
                 raise RuntimeError(f"round {ctx.round + 1}: Ray workers {sorted(failed)} kept failing after "
                                    f"{self.max_restarts} restarts (engine.max_restarts)")
@@ -239,24 +245,47 @@ class RayEngine(Engine):
             todo = sorted(failed)
         self._finish_round(ctx, lending)
         done = [r for r in results if r is not None]
+        done[0].aggregate = total  # the others' parts are inside it
         for r in done:
             self.manifest.record(ctx.round, r.states_written)
         self._stats = self.scheduler.record(plan, [r.client_seconds for r in done], [r.busy_seconds for r in done])
         self._stats["sched_engine_s"] = time.perf_counter() - t0
+        self._stats["sched_reduce_s"] = time.perf_counter() - t_reduce
+        self._stats["sched_driver_in_bytes"] = received_bytes() - inbound  # tensors the driver received
         return done
+
+    def _reduce(self, partials: list[Any]) -> Aggregate | None:
+        """The sum of the workers' partial aggregates, reduced among the workers in a fixed binary tree
+        ((0 + 1) + (2 + 3)) + ..., each step on the lower worker, which fetches its partner's partial
+        through the object store: the driver receives one float64 aggregate, whatever W. None when a
+        partial was lost (its worker's node died)."""
+        refs = list(partials)
+        step = 1
+        while step < len(refs):
+            for a in range(0, len(refs) - step, 2 * step):
+                refs[a] = self.pool[a].merge.remote(refs[a], refs[a + step])
+            step *= 2
+        try:
+            return self._ray.get(refs[0])
+        except Exception as err:  # sorted out by _dead_or_raise
+            self._dead_or_raise(err)
+            return None
 
     def _submit_and_gather(self, ctx: RoundContext, bc_ref: Any, assignment: list[list[int]],
                            expect: list[dict[int, int] | None], lending: Lending | None, todo: list[int],
-                           results: list) -> set[int]:
-        """Run ``todo`` workers' shares; returns the ids of workers whose actor (or a home it needed) died."""
+                           results: list, partials: list) -> set[int]:
+        """Run ``todo`` workers' shares: their results into ``results`` (without partial aggregates: those
+        stay in the object store, ``partials`` holds the references); returns the ids of workers whose
+        actor (or a home it needed) died."""
         refs: dict[int, Any] = {}
         # Every export is queued before any round task, so no actor's round waits on another's.
         lent = {w: lending.exports(self.pool, w) for w in todo} if lending is not None else {}
         for w in todo:
             if lending is not None:
-                refs[w] = lending.submit(self.pool, w, ctx, bc_ref, assignment[w], lent[w], expect[w])
+                refs[w], partials[w] = lending.submit(self.pool, w, ctx, bc_ref, assignment[w], lent[w], expect[w])
             else:
-                refs[w] = self.pool[w].run_round_packed.remote(ctx, bc_ref, assignment[w], expect=expect[w])
+                refs[w], partials[w] = self.pool[w].run_round_parts.options(num_returns=2).remote(
+                    ctx, bc_ref, assignment[w], expect=expect[w])
         failed: set[int] = set()
         for w in todo:
             try:

@@ -31,11 +31,11 @@ class Lending:
     def submit(self, actors: Any, trainer: int, ctx: RoundContext, broadcast: Any, clients: list[int],
                lent: list[Any], expect: dict[int, int] | None = None) -> Any:
         """Start ``trainer``'s round with its borrowed states (``expect``: the manifest's rounds of its
-        clients); returns the reference to its result."""
-        out = actors[trainer].run_round_split.options(num_returns=1 + self.num_workers).remote(
-            ctx, broadcast, clients, *lent, expect=expect)
-        self.parts[trainer] = list(out[1:])
-        return out[0]
+        clients); returns the references to its result and to its partial aggregate."""
+        out = actors[trainer].run_round_parts.options(num_returns=2 + self.num_workers).remote(
+            ctx, broadcast, clients, *lent, expect=expect, homes=self.num_workers)
+        self.parts[trainer] = list(out[2:])
+        return out[0], out[1]
 
     def returns_to(self, home: int) -> list[Any]:
         """References to the new states of ``home``'s clients that trained elsewhere."""

@@ -91,8 +91,23 @@ def _walk(value: Any, leaf: Callable[[Any], Any], tensor_type: type,
     return value
 
 
+#: Tensor bytes this process has received in Packed messages (what the engine reports as the driver's
+#: inbound traffic per round: ``received_bytes()`` before and after).
+_RECEIVED = [0]
+
+
+def received_bytes() -> int:
+    return _RECEIVED[0]
+
+
+def _receive(array: _Array) -> torch.Tensor:
+    t = array.tensor()
+    _RECEIVED[0] += t.numel() * t.element_size()
+    return t
+
+
 def _unpack(encoded: Any) -> Any:
-    return _walk(encoded, _Array.tensor, _Array)
+    return _walk(encoded, _receive, _Array)
 
 
 class Packed:
