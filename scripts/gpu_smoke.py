@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import sys
 import tempfile
 import time
@@ -28,40 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray binds 127.0.0.1
 
-TRAIN, TEST = 2000, 500  # CIFAR-shaped synthetic images
-
-
-def write_cifar_like(root: Path, seed: int = 0) -> None:
-    """Class-dependent colour blobs plus noise, in CIFAR-10's python-pickle batches."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir(parents=True, exist_ok=True)
-    means = rng.integers(40, 216, (10, 3, 1, 1))
-
-    def images(n: int) -> tuple[np.ndarray, list[int]]:
-        y = rng.integers(0, 10, n)
-        x = np.clip(means[y] + rng.normal(0, 40, (n, 3, 32, 32)), 0, 255).astype(np.uint8)
-        return x.reshape(n, -1), y.tolist()
-
-    def dump(path: Path, n: int) -> None:
-        x, y = images(n)
-        with open(path, "wb") as fh:
-            pickle.dump({b"data": x, b"labels": y, b"batch_label": b"smoke", b"filenames": [b"x"] * n}, fh, protocol=2)
-
-    for i in range(1, 6):
-        dump(folder / f"data_batch_{i}", TRAIN // 5)
-    dump(folder / "test_batch", TEST)
-    with open(folder / "batches.meta", "wb") as fh:
-        pickle.dump({b"label_names": [f"c{i}".encode() for i in range(10)]}, fh, protocol=2)
-
-
-def compose(*overrides: str):
-    sys.path.insert(0, str(REPO / "scripts" / "bench"))
-    from common import compose as bench_compose
-
-    return bench_compose(*overrides)
+sys.path.insert(0, str(REPO / "scripts" / "bench"))
+from common import compose, write_cifar_like  # noqa: E402
 
 
 def run(overrides: list[str], run_dir: Path | None = None):

@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import json
 import os
+import pickle
 import platform
 import re
 import statistics
@@ -249,3 +250,30 @@ def fmt(value: float | None, digits: int = 3) -> str:
     if value is None:
         return "n/a"
     return f"{value:.{digits}f}"
+
+
+def write_cifar_like(root: Path, train: int = 2000, test: int = 500, seed: int = 0) -> None:
+    """CIFAR-shaped synthetic images (class-dependent colours plus noise) in CIFAR-10's own
+    python-pickle batches under ``root``, for ``dataset=cifar10 dataset.root=<root>`` (the real loader)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True, exist_ok=True)
+    means = rng.integers(40, 216, (10, 3, 1, 1))
+
+    def images(n: int) -> tuple[np.ndarray, list[int]]:
+        y = rng.integers(0, 10, n)
+        x = np.clip(means[y] + rng.normal(0, 40, (n, 3, 32, 32)), 0, 255).astype(np.uint8)
+        return x.reshape(n, -1), y.tolist()
+
+    def dump(path: Path, n: int) -> None:
+        x, y = images(n)
+        with open(path, "wb") as fh:
+            pickle.dump({b"data": x, b"labels": y, b"batch_label": b"smoke", b"filenames": [b"x"] * n}, fh, protocol=2)
+
+    for i in range(1, 6):
+        dump(folder / f"data_batch_{i}", train // 5)
+    dump(folder / "test_batch", test)
+    with open(folder / "batches.meta", "wb") as fh:
+        pickle.dump({b"label_names": [f"c{i}".encode() for i in range(10)]}, fh, protocol=2)
