@@ -103,14 +103,37 @@ def run_job(job: Job, runs: Path, artefacts: Path, code: tuple[Path, str], threa
         t0 = time.perf_counter()
         with open(run_dir / "stdout.log", "w") as log:
             proc = subprocess.Popen(cmd, cwd=code[0], env=env, stdout=log, stderr=subprocess.STDOUT)
-            _, status, usage = os.wait4(proc.pid, 0)
+            status, usage, row_cpu = _wait_sampling_cpu(proc.pid, run_dir / "metrics.jsonl")
         if os.waitstatus_to_exitcode(status):
             raise RuntimeError(f"run {job.name} failed: {' '.join(cmd)}; see {run_dir / 'stdout.log'}")
         stats = {"cpu_s": round(usage.ru_utime + usage.ru_stime, 2), "wall_s": round(time.perf_counter() - t0, 2),
-                 "commit": code[1], "overrides": job.overrides}
+                 "commit": code[1], "overrides": job.overrides, "row_cpu_s": row_cpu}
         (run_dir / "run.json").write_text(json.dumps(stats, indent=1) + "\n")
     export_artefact(run_dir, dest)
     return json.loads((dest / "run.json").read_text())
+
+
+def _wait_sampling_cpu(pid: int, metrics: Path, poll_s: float = 0.05) -> tuple[int, Any, list[float]]:
+    """Wait for process ``pid``; returns (wait status, rusage, the process's CPU seconds when each row
+    of ``metrics`` appeared). The per-row CPU times give a round's compute free of the waiting a
+    shared machine adds to wall-clock ``round_time_s``."""
+    import psutil
+
+    child = psutil.Process(pid)
+    row_cpu: list[float] = []
+    while True:
+        done, status, usage = os.wait4(pid, os.WNOHANG)
+        if done:
+            break
+        try:
+            rows = metrics.read_bytes().count(b"\n") if metrics.exists() else 0
+            if rows > len(row_cpu):
+                t = child.cpu_times()
+                row_cpu += [round(t.user + t.system, 3)] * (rows - len(row_cpu))
+        except (psutil.Error, OSError):
+            pass  # exiting between the two calls: wait4 reaps it next
+        time.sleep(poll_s)
+    return status, usage, row_cpu
 
 
 def run_jobs(jobs: Sequence[Job], runs: Path, artefacts: Path, code: tuple[Path, str], n_jobs: int,
@@ -358,11 +381,22 @@ def fmt_p(iv: Interval) -> str:
 # ----------------------------------------------------------------------------- equal compute
 
 
-def seconds_per_round(runs: Iterable[Run]) -> float:
-    """Median ``round_time_s`` over every round of ``runs``: one round's training and aggregation
-    (evaluation excluded) in one torch thread. The median over hundreds of rounds resists the bursts
-    of a shared machine better than a run's total."""
-    return statistics.median(row["round_time_s"] for run in runs for row in run["rows"] if "round_time_s" in row)
+def cpu_per_round(runs: Iterable[Run]) -> float:
+    """Median CPU seconds of a round: the increase of the run's process CPU time between consecutive
+    metrics rows (run.json's ``row_cpu_s``), over the rounds of ``runs`` without an evaluation (all
+    rounds where every round has one), the first round excepted (it also holds the start-up). Local
+    training and aggregation in one torch thread, measured in CPU time, so the waiting on a shared
+    machine (which wall-clock ``round_time_s`` includes) does not count."""
+    plain, every = [], []
+    for run in runs:
+        cpu, rows = run["stats"].get("row_cpu_s") or [], run["rows"]
+        for i in range(1, min(len(cpu), len(rows))):
+            every.append(cpu[i] - cpu[i - 1])
+            if rows[i].get("test_accuracy") is None:
+                plain.append(cpu[i] - cpu[i - 1])
+    if not every:
+        raise ValueError("no per-row CPU samples (run.json's row_cpu_s) in these runs")
+    return statistics.median(plain or every)
 
 
 def equal_compute_round(ratio: float, rounds: int, eval_rounds: Sequence[int]) -> int:
@@ -570,11 +604,11 @@ def provenance(doc: str, artefacts: Path, cells: dict[str, dict[int, Run]], comm
 def main_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str],
                extra: dict[str, Callable[[dict[int, Run]], str]] | None = None) -> tuple[str, dict[str, Interval]]:
     """Rows ``tags`` (those with runs) against FedAvg: seeds, accuracy, paired difference, p, reading,
-    ``extra`` columns, seconds per round and CPU seconds per run; returns the table and the differences."""
+    ``extra`` columns, CPU seconds per round and per run; returns the table and the differences."""
     runs = setting_runs(s, cells)
     base = accuracies(runs["fedavg"])
     header = ["algorithm", "seeds", f"accuracy (mean of the last {K_LAST} evaluations)",
-              "minus FedAvg (paired, 95% CI)", "p", "reading", *(extra or {}), "s per round", "CPU s per run"]
+              "minus FedAvg (paired, 95% CI)", "p", "reading", *(extra or {}), "CPU s per round", "CPU s per run"]
     rows, diffs = [], {}
     for tag in tags:
         r, row = runs.get(tag), s.row(tag)
@@ -587,7 +621,7 @@ def main_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str]
         same = tag == "fedavg"
         rows.append([row.label, str(len(acc)), fmt_mean(interval(list(acc.values()))), "-" if same else fmt_diff(d),
                      "-" if same else fmt_p(d), "-" if same else reading(d), *(f(r) for f in (extra or {}).values()),
-                     f"{seconds_per_round(r.values()):.3g}",
+                     f"{cpu_per_round(r.values()):.3g}",
                      f"{statistics.fmean(run['stats']['cpu_s'] for run in r.values()):.0f}"])
     return md_table(header, rows), diffs
 
@@ -612,19 +646,19 @@ def setting_header(s: Setting) -> str:
 
 def equal_compute_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str]) -> str:
     """Each row of ``tags`` against FedAvg given the same compute: FedAvg's ``LONG`` run read at the
-    evaluated round nearest (seconds per round of the row / FedAvg's) x ``s.rounds``."""
+    evaluated round nearest (CPU seconds per round of the row / FedAvg's) x ``s.rounds``."""
     runs = setting_runs(s, cells)
     long, fedavg = runs.get(LONG), runs.get("fedavg")
     if not long or not fedavg:
         return ""
-    base_cost = seconds_per_round(fedavg.values())
+    base_cost = cpu_per_round(fedavg.values())
     eval_rounds = [r for r, _ in evaluations(next(iter(long.values())))]
     rows = []
     for tag in tags:
         r = runs.get(tag)
         if not r:
             continue
-        ratio = seconds_per_round(r.values()) / base_cost
+        ratio = cpu_per_round(r.values()) / base_cost
         r_eq = equal_compute_round(ratio, s.rounds, eval_rounds)
         acc = accuracies(r)
         at_eq = {seed: final_accuracy(run, upto_round=r_eq) for seed, run in sorted(long.items())}
@@ -633,12 +667,13 @@ def equal_compute_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequ
         rows.append([s.row(tag).label, f"{ratio:.2f}", f"{r_eq}{short}",
                      fmt_mean(interval([at_eq[k] for k in sorted(set(acc) & set(at_eq))])), str(d.n), fmt_diff(d),
                      fmt_p(d), reading(d)])
-    header = ["algorithm", "s per round / FedAvg's", "FedAvg's round of equal compute",
+    header = ["algorithm", "CPU s per round / FedAvg's", "FedAvg's round of equal compute",
               f"FedAvg there (last {K_LAST} evaluations)", "seeds", "algorithm minus FedAvg at equal compute",
               "p", "reading"]
-    return (f"### Equal compute\n\nCompute per round: the median `round_time_s` over every round of a row's runs "
-            f"(local training and aggregation in one torch thread, evaluation excluded; the median resists the "
-            f"bursts of a shared machine). FedAvg also runs {max(eval_rounds)} rounds (`{LONG}`, the same seeds); "
+    return (f"### Equal compute\n\nCompute per round: the median CPU seconds of a round without evaluation over a "
+            f"row's runs (the run process's CPU time sampled at every metrics row: local training and aggregation in "
+            f"one torch thread; CPU time, unlike `round_time_s`, does not count the waiting on a shared machine). "
+            f"FedAvg also runs {max(eval_rounds)} rounds (`{LONG}`, the same seeds); "
             f"a row that costs c times FedAvg per round is compared, seed by seed, with that run's mean of the last "
             f"{K_LAST} evaluations up to round c x {s.rounds} (the nearest evaluated round). {_prefix_check(fedavg, long)}\n\n"
             + md_table(header, rows))
