@@ -627,14 +627,14 @@ def main_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str]
 
 
 def rows_list(s: Setting, tags: Sequence[str]) -> str:
-    """The overrides that tell the rows apart (the setting's are printed once above)."""
-    shown = ("algorithm", "train.shuffle", "+experiment", "rounds")
+    """The overrides that tell the rows apart (the setting's own are printed once above)."""
+    common = {*s.overrides, f"rounds={s.rounds}", *TAIL, "engine.threads_per_worker=1",
+              *(preset_overrides(s.preset) if s.preset else ())}
     out = []
     for tag in tags:
         row = s.row(tag)
         if row is not None:
-            own = [o for o in s.overrides_of(row) if o.startswith(shown) and o != f"rounds={s.rounds}"]
-            out.append(f"- {row.label}: `{' '.join(own)}`")
+            out.append(f"- {row.label}: `{' '.join(o for o in s.overrides_of(row) if o not in common)}`")
     return "\n".join(out) + "\n"
 
 
