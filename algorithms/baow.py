@@ -40,6 +40,7 @@ from fl_platform.compression.errorfeedback import ErrorFeedback
 from fl_platform.compression.topk import INDEX_FORMATS, TopK
 from fl_platform.compression.vector import Layout, VectorCompressor
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, RoundContext
+from fl_platform.privacy.spec import PrivacyUnsupported, PrivateUploads
 
 RATIO_RULES = ("straggler", "budget")
 AGGREGATIONS = ("opwa", "plain")
@@ -68,6 +69,9 @@ class BAOWConf(ServerStepConf):
             out.update(ratio_rule=why, bcrs_reweight=why)
         if run.rounds == 1:
             out["error_feedback"] = "the residual enters a client's second upload, and rounds=1"
+        privacy = run.get("privacy")
+        if privacy is not None and privacy.name != "none":
+            out["bcrs_reweight"] = f"under privacy={privacy.name} every client's clipped update counts once"
         return out
 
 
@@ -108,6 +112,17 @@ class BAOWClient(ClientAlgorithm):
     @classmethod
     def uploads(cls, cfg: BAOWConf) -> dict[str, str | None]:
         return {"masked_delta": "n", "mask": "n"}
+
+    @classmethod
+    def private_uploads(cls, cfg: BAOWConf) -> PrivateUploads:
+        """Under DP: the Top-k delta, clipped after BCRS's own compression (scaling keeps its support);
+        the keep masks are not sent, so only ``aggregation=plain`` can run."""
+        if cfg.aggregation == "opwa":
+            raise PrivacyUnsupported(
+                "its overlap-weighted averaging (algorithm.aggregation=opwa) divides each coordinate by how many "
+                "clients kept it, a count that depends on every client's data and has no noise of its own; "
+                "algorithm.aggregation=plain (BCRS Top-k with FedAvg's average, no masks sent) runs under DP")
+        return PrivateUploads(("masked_delta",), ("n", "clients"))
 
     def contribution_sizes(self) -> dict[str, int]:
         return {"masked_delta": self.setup.vector_size, "mask": self.setup.vector_size}
@@ -170,7 +185,7 @@ class BAOWServer(ServerAlgorithm):
         total = result.weights.get("n", 0.0)
         if total <= 0 or "masked_delta" not in result.tensors:
             return {}
-        num, cover = result.tensors["masked_delta"], result.tensors["mask"]
+        num, cover = result.tensors["masked_delta"], result.tensors.get("mask")  # no masks under DP (plain)
         if self.cfg.aggregation == "opwa":
             floor = total / self.cfg.gamma_max if self.cfg.gamma_max else 0.0
             denom = cover.clamp(min=floor) if floor > 0 else cover
@@ -180,10 +195,12 @@ class BAOWServer(ServerAlgorithm):
             delta = num / total
         self.weights += delta.to(torch.float32) * self.cfg.server_lr
         p = self.setup.num_params
-        covered = float((cover[:p] > 0).sum())
         ratios = [r for c, r in self._ratios.items() if c in ctx.clients]
-        out = {"baow_coverage": covered / p if p else 0.0,
-               "baow_overlap": result.weights.get("kept", 0.0) / covered if covered else 0.0}
+        out: dict[str, float] = {}
+        if cover is not None:
+            covered = float((cover[:p] > 0).sum())
+            out = {"baow_coverage": covered / p if p else 0.0,
+                   "baow_overlap": result.weights.get("kept", 0.0) / covered if covered else 0.0}
         if ratios:
             out.update(baow_mean_ratio=sum(ratios) / len(ratios), baow_max_ratio=max(ratios))
         return out

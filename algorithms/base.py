@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
+from fl_platform.privacy.clipping import BELOW, CLIPPED_METRIC, NORM_METRIC, CohortClip, clip_factor
+from fl_platform.privacy.spec import PrivacyUnsupported, PrivateUploads
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.hooks import TrainHooks
 from fl_platform.training.loop import ClientData, LocalTrainer, NonFiniteError, TrainConfig, evaluate
@@ -101,6 +103,20 @@ class ClientAlgorithm:
         so a non-linear compressor such as sign keeps sample weighting). The default is what
         ``finish`` sends: ``delta`` = n * (trained - start) with weight ``n``."""
         return {"delta": "n"}
+
+    @classmethod
+    def private_uploads(cls, cfg: AlgorithmConf) -> PrivateUploads:
+        """Under client-level DP (``privacy=central|local``, docs/privacy.md): the uploads that carry
+        model information (divided by their weight, clipped together to norm C, noised) and the
+        weights that count clients (1 per client; the server divides by the expected number of
+        clients). The default covers what ``finish`` sends (``delta`` scaled by ``n``); an algorithm
+        that uploads anything else must declare its own, or raise PrivacyUnsupported saying why."""
+        uploads = cls.uploads(cfg)
+        if uploads != {"delta": "n"}:
+            raise PrivacyUnsupported(
+                f"{cls.__name__} uploads {sorted(uploads)}, not only the model delta; which of them carry model "
+                "information (to clip and noise) is not declared (ClientAlgorithm.private_uploads)")
+        return PrivateUploads(("delta",), ("n",))
 
     def state_spec(self) -> dict[str, StateSpec]:
         """Per-client state this algorithm keeps across rounds (stored by the state manager)."""
@@ -206,7 +222,7 @@ class FedAvgCohort:
                                               res.metrics, finite=True if finite[row] else None)
             row += 1
 
-    def sum_into(self, agg: Aggregate) -> list[tuple[int, ClientUpdate | NonFiniteError]]:
+    def sum_into(self, agg: Aggregate, clip: CohortClip | None = None) -> list[tuple[int, ClientUpdate | NonFiniteError]]:
         """Add every accepted client's contribution to ``agg``; returns, per client in order, its
         NonFiniteError or its ClientUpdate without tensors (weights, samples, metrics, and the bytes
         its dense delta would have taken).
@@ -215,11 +231,21 @@ class FedAvgCohort:
         trained vector), so it equals the sum of the float32 deltas that ``__iter__`` gives up to
         their own float32 rounding (~1e-7 relative). Training already rejected every client whose
         vector is not finite; with finite vectors and starts, this float64 sum is finite.
+
+        ``clip`` (client-level DP, fl_platform/privacy/clipping.py): each client's delta is clipped to
+        norm C within the chunk instead, the weight n_k becomes min(1, C / ||delta_k||), and each client
+        counts once (``n`` = 1 per client), as ``ClientPrivacy.apply`` does to a single update.
         """
         out: list[tuple[int, ClientUpdate | NonFiniteError]] = []
         ok = [i for i, res in enumerate(self.results) if res.error is None]
+        norms: dict[int, float] = {}
         if ok:
-            n = [float(self.datas[i].num_samples) for i in ok]
+            if clip is None:
+                n = [float(self.datas[i].num_samples) for i in ok]
+            else:
+                norms = dict(zip(ok, self.cohort.delta_norms([self.results[i] for i in ok],
+                                                             [self.plans[i].start for i in ok])))
+                n = [clip_factor(norms[i], clip.clip) for i in ok]
             total = self.cohort.weighted_sum([self.results[i] for i in ok], n)
             first = self.plans[ok[0]].start
             if all(self.plans[i].start is first for i in ok):  # the broadcast weights, as a rule
@@ -227,14 +253,22 @@ class FedAvgCohort:
             else:
                 for i, weight in zip(ok, n):
                     total.sub_(self.plans[i].start.to(torch.float64), alpha=weight)
-            agg.add({"delta": total}, {"n": sum(n)}, count=len(ok))
-        for data, res in zip(self.datas, self.results):
+            tensors = {"delta": total}
+            if clip is not None and clip.adaptive:
+                below = sum((1.0 if norms[i] <= clip.clip else 0.0) - 0.5 for i in ok)
+                tensors[BELOW] = torch.tensor([below], dtype=torch.float64, device=total.device)
+            agg.add(tensors, {"n": sum(n) if clip is None else float(len(ok))}, count=len(ok))
+        extra = 4 if clip is not None and clip.adaptive else 0  # dp_below_clip travels as one float32
+        for i, (data, res) in enumerate(zip(self.datas, self.results)):
             if res.error is not None:
                 out.append((res.client_id, res.error))
-            else:
-                out.append((res.client_id, ClientUpdate(res.client_id, {}, {"n": float(data.num_samples)},
-                                                        data.num_samples, res.metrics,
-                                                        bytes_up=res.vector.numel() * 4, finite=True)))
+                continue
+            if clip is not None:
+                res.metrics.add(CLIPPED_METRIC, 1.0 if norms[i] > clip.clip else 0.0)
+                res.metrics.add(NORM_METRIC, norms[i])
+            weight = float(data.num_samples) if clip is None else 1.0
+            out.append((res.client_id, ClientUpdate(res.client_id, {}, {"n": weight}, data.num_samples, res.metrics,
+                                                    bytes_up=res.vector.numel() * 4 + extra, finite=True)))
         return out
 
 

@@ -24,6 +24,7 @@ from fl_platform.algorithms.base import (
 )
 
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
+from fl_platform.privacy.spec import PrivateUploads
 from fl_platform.training.hooks import GradientCorrectionHook
 
 
@@ -32,11 +33,23 @@ class ScaffoldConf(ServerStepConf):
     name: str = "scaffold"
     weighting: str = "samples"  # "samples" (n_k-weighted model delta) or "uniform" (as in the paper)
 
+    def inactive_fields(self, run: Any) -> dict[str, str]:
+        privacy = run.get("privacy")
+        if privacy is not None and privacy.name != "none":
+            return {"weighting": f"under privacy={privacy.name} every client's clipped update counts once"}
+        return {}
+
 
 class ScaffoldClient(ClientAlgorithm):
     @classmethod
     def uploads(cls, cfg: ScaffoldConf) -> dict[str, str | None]:
         return {"delta": "n", "delta_c": None}
+
+    @classmethod
+    def private_uploads(cls, cfg: ScaffoldConf) -> PrivateUploads:
+        """Under DP the control-variate delta is clipped and noised with the model delta: it is a function
+        of the client's model delta and of its own control variate (so of its data)."""
+        return PrivateUploads(("delta", "delta_c"), ("n", "clients"))
 
     def state_spec(self) -> dict[str, StateSpec]:
         return {"c": StateSpec(self.setup.num_params)}

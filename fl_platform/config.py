@@ -17,6 +17,7 @@ from omegaconf import MISSING
 from fl_platform.algorithms.registry import algorithm_names, get_algorithm
 from fl_platform.compression.registry import CompressorConf, compressor_schemas
 from fl_platform.datasets.augment import AugmentConf
+from fl_platform.privacy.config import PrivacyConf, privacy_schemas
 from fl_platform.system.config import SystemConf, system_schemas
 from fl_platform.training.loop import TrainConfig
 
@@ -296,6 +297,7 @@ class Config:
     algorithm: Any = MISSING
     compressor: CompressorConf = MISSING  # uplink compression (fl_platform/compression, docs/compression.md)
     system: SystemConf = MISSING  # client speeds and bandwidths for simulated time (fl_platform/system)
+    privacy: PrivacyConf = MISSING  # client-level differential privacy (fl_platform/privacy, docs/privacy.md)
     engine: EngineConf = field(default_factory=EngineConf)
     logger: LoggerConf = field(default_factory=LoggerConf)
 
@@ -309,6 +311,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"mlp": MLPConf, "cnn": CNNConf, "resnet18": ResNet18Conf, "lstm": LSTMConf},
     "compressor": compressor_schemas(),
     "system": system_schemas(),
+    "privacy": privacy_schemas(),
 }
 
 

@@ -22,6 +22,8 @@ from fl_platform.config import options_of
 from fl_platform.datasets.federated import FederatedDataset, build_federated_dataset
 from fl_platform.models import check_model_input
 from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
+from fl_platform.privacy.config import privacy_conf, sampling_of
+from fl_platform.privacy.setup import server_privacy_for
 from fl_platform.reporting import Reporter
 from fl_platform.rounds.checkpoint import Checkpointer
 from fl_platform.rounds.engine import Engine
@@ -154,6 +156,22 @@ def check_effective(cfg: DictConfig) -> None:
     if cfg.get("system") is not None:
         system = system_conf(cfg.system)
         refuse_inactive("system", system, SystemConf(), system.inactive_fields())
+    if cfg.get("privacy") is not None:
+        check_privacy_keys(cfg, spec, alg)
+
+
+def check_privacy_keys(cfg: DictConfig, spec: Any, alg: Any) -> None:
+    """The privacy group: no inert key, sane values, an algorithm and sampling the mechanism and the
+    accountant cover (fl_platform/privacy/setup.py), else ConfigError naming the key."""
+    from fl_platform.privacy.config import PrivacyConf, privacy_conf
+    from fl_platform.privacy.setup import check_privacy
+
+    conf = privacy_conf(cfg.privacy)
+    refuse_inactive("privacy", conf, PrivacyConf(), conf.inactive_fields(cfg.num_clients, cfg.clients_per_round))
+    try:
+        check_privacy(cfg, spec, alg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def train_config(cfg: DictConfig) -> TrainConfig:
@@ -197,6 +215,7 @@ def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
         threads=threads if enum_value(engine.name) == "ray" else engine.threads_per_worker,
         compressor=OmegaConf.to_container(cfg.compressor, resolve=True) if cfg.get("compressor") else None,
         system=build_system(cfg.get("system"), cfg.seed),
+        privacy=privacy_conf(cfg.get("privacy")),
     )
 
 
@@ -281,6 +300,9 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
     alg_setup = setup.algorithm_setup(eval_model.num_params, eval_model.num_buffers)
     server = spec.server(setup.algorithm_conf, alg_setup, eval_model.vector.detach().cpu().clone())
     server.attach_data(data)
+    privacy = server_privacy_for(setup.privacy, spec, setup.algorithm_conf, alg_setup, eval_model,
+                                 num_clients=cfg.num_clients, clients_per_round=cfg.clients_per_round,
+                                 rounds=cfg.rounds, seed=cfg.seed)
     engine = make_engine(cfg, setup)
     if engine.eval_device is not None and engine.eval_device != eval_model.device:
         # The Ray engine decided where the driver evaluates (a GPU share it holds): the same model there.
@@ -288,11 +310,13 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
         with torch.random.fork_rng(devices=[]):
             eval_model = FlatModel(setup.model(), engine.eval_device)
     loop = LoopConfig(seed=cfg.seed, rounds=cfg.rounds, clients_per_round=cfg.clients_per_round,
-                      eval_every=cfg.eval_every, eval_batch_size=cfg.eval_batch_size)
+                      eval_every=cfg.eval_every, eval_batch_size=cfg.eval_batch_size,
+                      sampling=sampling_of(setup.privacy))
     sim = Simulation(loop, data, server, engine, eval_model,
                      metrics=MetricsLog(rd.metrics) if rd is not None else None, reporter=reporter,
                      checkpointer=checkpointer if cfg.checkpoint_every > 0 else None)
     sim.system = setup.system
+    sim.privacy = privacy
     try:
         sim.restore(ckpt)
     except BaseException:

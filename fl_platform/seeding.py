@@ -24,6 +24,7 @@ class Stream(enum.IntEnum):
     SYSTEM = 6  # simulated client speeds and bandwidths
     FAULT = 7
     AUGMENT = 8  # crops and flips of a client's training minibatches (datasets/augment.py)
+    PRIVACY = 9  # differential privacy noise: the server's on the sum, a client's own (fl_platform/privacy)
 
 
 # numpy's SeedSequence hash constants (numpy/random/bit_generator.pyx).

@@ -113,16 +113,7 @@ class UplinkCompression:
 
     def scale(self, name: str, weights: Mapping[str, float]) -> float:
         """The weight that multiplies tensor ``name`` in an update with ``weights`` (1 when unscaled)."""
-        weight = self.uploads.get(name)
-        if weight is None:
-            return 1.0
-        if weight not in weights:
-            raise ValueError(f"the algorithm declares its {name!r} upload scaled by weight {weight!r}, but the "
-                             f"update carries weights {sorted(weights)}")
-        value = float(weights[weight])
-        if not value >= 0:
-            raise ValueError(f"weight {weight!r} scaling {name!r} must be >= 0, got {value}")
-        return value
+        return upload_scale(self.uploads, name, weights)
 
     def encode(self, ctx: RoundContext, client_id: int, name: str, t: torch.Tensor, state: State | None,
                scale: float) -> tuple[VectorPayload, State]:
@@ -172,6 +163,21 @@ class UplinkCompression:
 
 
 DEFAULT_UPLOADS: dict[str, str | None] = {"delta": "n"}  # ClientAlgorithm.uploads' default
+
+
+def upload_scale(uploads: Mapping[str, str | None], name: str, weights: Mapping[str, float]) -> float:
+    """The weight that multiplies upload ``name`` (``ClientAlgorithm.uploads``) in an update with
+    ``weights`` (1 when unscaled); also what client-level DP divides by (fl_platform/privacy)."""
+    weight = uploads.get(name)
+    if weight is None:
+        return 1.0
+    if weight not in weights:
+        raise ValueError(f"the algorithm declares its {name!r} upload scaled by weight {weight!r}, but the "
+                         f"update carries weights {sorted(weights)}")
+    value = float(weights[weight])
+    if not value >= 0:
+        raise ValueError(f"weight {weight!r} scaling {name!r} must be >= 0, got {value}")
+    return value
 
 
 def check_compressor(conf: Any, uploads: Mapping[str, str | None], algorithm: str = "this algorithm",

@@ -30,6 +30,7 @@ from fl_platform.algorithms.registry import get_algorithm
 from fl_platform.compression.uplink import make_uplink
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
 from fl_platform.engine.scheduler import work_units
+from fl_platform.privacy.setup import make_client_privacy
 from fl_platform.rounds.engine import WorkerResult
 from fl_platform.rounds.setup import ExperimentSetup, resolve_device
 from fl_platform.state.distributed import DistributedStore, home_worker
@@ -89,6 +90,9 @@ class Worker:
         self.client = self.spec.client(setup.algorithm_conf, alg_setup)
         self.summable = self.spec.server.summable
         self.uplink = make_uplink(setup.compressor, self.fm, self.client)  # None: uplinks travel dense
+        # Client-level DP (fl_platform/privacy): clip (and under local DP, noise) each update before its
+        # compression; None for privacy=none.
+        self.privacy = make_client_privacy(setup.privacy, self.spec, setup.algorithm_conf)
         self.store = store if store is not None else self.make_store()
         self.stateful = bool(self.store.specs)
         self._expect: dict[int, int] | None = None  # the manifest's rounds for this round's clients
@@ -189,8 +193,12 @@ class Worker:
             log.warning("rejected %s (engine.nonfinite=skip)", err)
             acc.rejected[cid] = str(err)
             return None
+        if self.privacy is not None and not self._summed:  # (a chunk summed at once clipped each client)
+            self.privacy.apply(ctx, bc, update)  # clip first: what is clipped is what is compressed
         if self.uplink is not None:  # encode, count the real bytes, keep what the server decodes
             update.state = self.uplink.merge_state(state, update.state, self.uplink.apply(ctx, cid, update, own))
+            if self.privacy is not None:
+                self.privacy.bound(bc, update)  # central DP: what the server decodes is within C
         return update
 
     def _load_state(self, cid: int) -> State | None:
@@ -232,9 +240,12 @@ class Worker:
                 log.warning("engine.cohort_size=%s: clients train one by one: %s", self.setup.cohort_size, err)
             self.cohort = None
             return time.perf_counter() - t0
-        # Summed at once when nothing needs each client's tensors (no list mode, no compression).
-        self._summed = self.summable and self.uplink is None and isinstance(outcome, FedAvgCohort)
-        self._pending = iter(outcome.sum_into(aggregate) if self._summed else outcome)
+        # Summed at once when nothing needs each client's tensors (no list mode, no compression, no
+        # local DP noise); under central DP each client is clipped inside the chunk.
+        clip = self.privacy.cohort_clip(bc) if self.privacy is not None else None
+        self._summed = (self.summable and self.uplink is None and isinstance(outcome, FedAvgCohort)
+                        and (self.privacy is None or clip is not None))
+        self._pending = iter(outcome.sum_into(aggregate, clip) if self._summed else outcome)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0

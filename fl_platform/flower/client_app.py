@@ -15,7 +15,9 @@ formats) is this client's data. Optional: ``device`` (overrides ``deploy.device`
 The client's persistent state (SCAFFOLD's control variate, a compressor's error-feedback
 residual) lives in ``context.state``; Flower keeps it on the SuperNode between rounds. A
 configured compressor is applied by the simulator's own uplink hook: the reply carries what the
-server decodes, and ``bytes_up`` the payload's size.
+server decodes, and ``bytes_up`` the payload's size. Under client-level DP (``privacy=central|local``)
+the node clips its update (and under local DP adds its own noise) before compressing it, with the
+simulator's code (fl_platform/privacy/clipping.py); the ServerApp adds the central noise.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from fl_platform.flower.config import DeployConf, from_run_config
 from fl_platform.flower.payloads import PayloadCodec
 from fl_platform.flower.records import IDENTIFY, decode_train, encode_update
 from fl_platform.flower.state import ContextStateStore
+from fl_platform.privacy.clipping import ClientPrivacy
+from fl_platform.privacy.setup import make_client_privacy
 from fl_platform.rounds.setup import resolve_device
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.loop import ClientData, LocalTrainer, NonFiniteError
@@ -102,6 +106,7 @@ class ClientRuntime:
     uplink: UplinkCompression | None  # the simulator's compressor hook (None: compressor=none)
     codec: PayloadCodec | None  # puts the compressor's payload bytes on the wire
     state_specs: dict[str, StateSpec]  # the algorithm's per-client state plus the compressor's (ef.*)
+    privacy: ClientPrivacy | None = None  # client-level DP: clips (local DP: noises) before compression
 
     @property
     def client_id(self) -> int:
@@ -157,7 +162,8 @@ def build_runtime(run_config: Mapping[str, Any], node_config: Mapping[str, Any])
     specs = {**client.state_spec(), **(uplink.state_spec() if uplink is not None else {})}
     log.info("client %d: %d samples of %s on %s", node.partition_id, data.num_samples, dataset.name, device)
     codec = PayloadCodec(uplink) if uplink is not None else None
-    return ClientRuntime(cfg, deploy, node, device, data, trainer, client, uplink, codec, specs)
+    privacy = make_client_privacy(setup.privacy, get_algorithm(setup.algorithm), setup.algorithm_conf)
+    return ClientRuntime(cfg, deploy, node, device, data, trainer, client, uplink, codec, specs, privacy)
 
 
 _RUNTIMES: OrderedDict[tuple, ClientRuntime] = OrderedDict()
@@ -195,6 +201,8 @@ def train_client(msg: Message, context: Context) -> Message:
     if not update.is_finite():
         bad = [k for k, t in update.tensors.items() if not bool(torch.isfinite(t).all())]
         raise NonFiniteError(f"client {client_id} in round {ctx.round + 1}: update tensors {bad} contain NaN/inf")
+    if rt.privacy is not None:  # clip (local DP: and noise) before compression, as the simulator's worker
+        rt.privacy.apply(ctx, broadcast, update)
     payloads: dict[str, torch.Tensor] = {}
     if rt.uplink is not None:  # encode, count the payload's bytes, keep what the server decodes
         originals = {k: t.detach().clone() for k, t in update.tensors.items() if k in rt.uplink.names}

@@ -3,7 +3,8 @@
 It composes the experiment from the run config (``config.py``), builds the global model exactly
 as the simulator does (torch seeded from (seed, INIT), then the model factory), waits for the
 SuperNodes, and runs ``engine.simulation.Simulation`` with a ``FlowerEngine``: same sampling,
-same server step, same evaluation and the same run directory (config.yaml, partition.npz,
+same server step (and, under client-level DP, the same noise on the sum and the same accounting),
+same evaluation and the same run directory (config.yaml, partition.npz,
 metrics.jsonl, summary.json, model.pt), plus run_config.toml (what Flower was given) and
 server.log (the ServerApp's log, warnings included).
 """
@@ -27,6 +28,8 @@ from fl_platform.flower.config import DeployConf, from_run_config, to_toml
 from fl_platform.flower.payloads import PayloadCodec
 from fl_platform.flower.strategy import AlgorithmStrategy, FlowerEngine
 from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
+from fl_platform.privacy.config import sampling_of
+from fl_platform.privacy.setup import make_server_privacy
 from fl_platform.reporting import Reporter
 from fl_platform.rounds.setup import resolve_device
 from fl_platform.rounds.simulation import LoopConfig, Simulation
@@ -90,16 +93,21 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
         server.attach_data(data)  # one-shot servers distil on a held-out split of it
         client_half = spec.client(setup.algorithm_conf, alg_setup)  # what its replies look like
         uplink = make_uplink(setup.compressor, eval_model, client_half)
+        sizes = contribution_sizes(client_half, eval_model)
+        privacy = make_server_privacy(setup.privacy, spec, setup.algorithm_conf, sizes, num_clients=cfg.num_clients,
+                                      clients_per_round=cfg.clients_per_round, rounds=cfg.rounds, seed=cfg.seed)
         strategy = AlgorithmStrategy(server, seed=cfg.seed, num_rounds=cfg.rounds, num_clients=cfg.num_clients,
                                      clients_per_round=cfg.clients_per_round, deploy=deploy,
-                                     expected_sizes=contribution_sizes(client_half, eval_model),
-                                     codec=PayloadCodec(uplink) if uplink is not None else None)
+                                     expected_sizes=sizes, codec=PayloadCodec(uplink) if uplink is not None else None,
+                                     privacy=privacy)
         strategy.summary()
         strategy.connect(grid)
         loop = LoopConfig(seed=cfg.seed, rounds=cfg.rounds, clients_per_round=cfg.clients_per_round,
-                          eval_every=cfg.eval_every, eval_batch_size=cfg.eval_batch_size)
+                          eval_every=cfg.eval_every, eval_batch_size=cfg.eval_batch_size,
+                          sampling=sampling_of(setup.privacy))
         sim = Simulation(loop, data, server, FlowerEngine(strategy, grid), eval_model,
                          metrics=MetricsLog(rd.metrics), reporter=reporter)
+        sim.privacy = privacy  # the noise on the sum, epsilon and the target-epsilon stop: the simulator's loop
         setup_s = time.perf_counter() - t0
         summary = sim.run()
         summary.update({

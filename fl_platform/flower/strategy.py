@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
@@ -75,9 +76,13 @@ class AlgorithmStrategy(Strategy):
 
     def __init__(self, server: ServerAlgorithm, *, seed: int, num_rounds: int, num_clients: int,
                  clients_per_round: int, deploy: DeployConf | None = None,
-                 expected_sizes: dict[str, int] | None = None, codec: PayloadCodec | None = None) -> None:
+                 expected_sizes: dict[str, int] | None = None, codec: PayloadCodec | None = None,
+                 privacy: Any = None) -> None:
         self.server = server
         self.codec = codec  # decodes compressed uplinks (None: the run has no compressor)
+        # fl_platform.privacy.server.ServerPrivacy (None: no DP): under central DP every decoded reply is
+        # clipped to the round's C here, whatever the client did; the noise is the round loop's.
+        self.privacy = privacy
         self.expected_sizes = dict(expected_sizes or {})  # name -> numel a valid contribution tensor has
         self.seed = seed
         self.num_rounds = num_rounds
@@ -264,6 +269,12 @@ class AlgorithmStrategy(Strategy):
             except (InvalidReply, ValueError, RuntimeError) as err:
                 rejected[cid] = f"undecodable payload: {err}"
                 continue
+            if self.privacy is not None:
+                try:
+                    self.privacy.bound(update)
+                except ValueError as err:
+                    rejected[cid] = f"not a private update: {err}"
+                    continue
             wrong = {k: (t.numel(), self.expected_sizes[k]) for k, t in update.tensors.items()
                      if k in self.expected_sizes and t.numel() != self.expected_sizes[k]}
             if wrong:
@@ -348,6 +359,11 @@ class AlgorithmStrategy(Strategy):
                         grid: Grid) -> Iterable[Message]:
         """Messages for Flower's round ``server_round`` (1-based); ``arrays`` is unused: the server
         half holds the global state."""
+        if self.privacy is not None:
+            raise NotImplementedError(
+                "client-level DP runs through run_server (fl_platform/flower/server_app.py), whose round loop adds the "
+                "noise, accounts for it and stops at privacy.target_epsilon; Flower's Strategy API path "
+                "(configure_train/aggregate_train) does none of that")
         self.refresh(grid)
         ctx = self.round_context(server_round - 1)
         self._plan = self.plan(ctx, self.server.broadcast(ctx))

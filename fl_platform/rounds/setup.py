@@ -58,6 +58,7 @@ class ExperimentSetup:
     cohort_size: int | str = 1  # clients a worker trains at once (vectorised), or "auto"
     compressor: dict[str, Any] | None = None  # the compressor group (None / name none: uplinks dense)
     system: Any = None  # fl_platform.system.SystemModel, or None: no simulated time
+    privacy: Any = None  # fl_platform.privacy.config.PrivacyConf (None / name none: no clipping or noise)
 
     def algorithm_setup(self, num_params: int, num_buffers: int) -> Setup:
         return Setup(model_fn=self.model, num_params=num_params, num_buffers=num_buffers,

@@ -6,6 +6,12 @@ algorithm's server step, evaluate every ``eval_every`` rounds, log one metrics r
 checkpoint every ``checkpoint_every`` rounds (``fl_platform/rounds/checkpoint.py``). The same loop
 drives the simulation engines and, through an ``Engine`` adapter, Flower's ServerApp.
 
+With client-level DP (``privacy=central|local``, fl_platform/privacy/server.py) the broadcast
+carries the round's clip norm, the noise is added to the reduced sum before the server step (once,
+from (seed, round), whichever engine), each row carries the epsilon spent so far, and the loop does
+not start a round whose epsilon would exceed ``privacy.target_epsilon`` (the summary's
+``stop_reason`` says so).
+
 When the engine reports client states lost (``StateLost``: a node died with them), the loop rolls
 the whole run back to its last checkpoint, exactly as a resume would (server state, client states,
 scheduler, RNG, metrics rows), and reruns the rounds after it; the result equals an uninterrupted
@@ -39,6 +45,8 @@ log = logging.getLogger(__name__)
 
 #: Rollbacks to the same checkpoint before the run gives up (a fault that recurs on every rerun).
 MAX_ROLLBACKS = 3
+#: Where a checkpoint keeps the privacy state (adaptive clipping's C), next to the server half's.
+PRIVACY_STATE = "_privacy"
 
 
 def is_timing_key(key: str) -> bool:
@@ -60,10 +68,15 @@ class LoopConfig:
     clients_per_round: int
     eval_every: int = 1
     eval_batch_size: int = 1024
+    sampling: str = "fixed"  # rounds/sampling.py: fixed-size, or Poisson (privacy.sampling)
 
 
 class Simulation:
     system: Any = None  # fl_platform.system.SystemModel (set by experiment.build): simulated time per row
+    # fl_platform.privacy.server.ServerPrivacy (set by experiment.build and the Flower ServerApp): the
+    # clip norm in the broadcast, noise on the reduced sum before the server step, epsilon per row,
+    # and the stop before a round that would exceed privacy.target_epsilon.
+    privacy: Any = None
 
     def __init__(self, loop: LoopConfig, data: FederatedDataset, server: ServerAlgorithm, engine: Engine,
                  eval_model: FlatModel, metrics: MetricsLog | None = None, reporter: Reporter | None = None,
@@ -87,11 +100,14 @@ class Simulation:
 
     def run_round(self, r: int) -> dict[str, Any]:
         t0 = time.perf_counter()
-        clients = sample_clients(self.loop.seed, r, self.num_clients, self.loop.clients_per_round)
+        clients = sample_clients(self.loop.seed, r, self.num_clients, self.loop.clients_per_round, self.loop.sampling)
         ctx = RoundContext(round=r, seed=self.loop.seed, clients=clients, num_rounds=self.loop.rounds,
                            num_clients=self.num_clients)
         broadcast = self.server.broadcast(ctx)
-        results = sorted(self.engine.run_round(ctx, broadcast), key=lambda res: res.worker_id)
+        if self.privacy is not None:
+            self.privacy.annotate(broadcast)
+        # (Poisson sampling may draw nobody: the round is then the server's step on noise alone)
+        results = sorted(self.engine.run_round(ctx, broadcast), key=lambda res: res.worker_id) if clients else []
         metrics = Metrics()
         rejected: dict[int, str] = {}
         for res in results:
@@ -101,7 +117,12 @@ class Simulation:
             combined: Aggregate | list[ClientUpdate] = Aggregate.reduce(res.aggregate for res in results)
         else:
             combined = sorted((u for res in results for u in res.updates), key=lambda u: u.client_id)
+        private: dict[str, float] = {}
+        if self.privacy is not None:  # (list-mode algorithms are refused under DP at start-up)
+            private = self.privacy.privatise(ctx, combined)
         extra = self.server.aggregate(ctx, combined)
+        if self.privacy is not None:
+            private.update(self.privacy.after_round(r + 1))
         round_seconds = time.perf_counter() - t0
         row: dict[str, Any] = {
             "round": r + 1,
@@ -111,6 +132,7 @@ class Simulation:
             "round_time_s": round_seconds,
             **{k: v for k, v in metrics.means().items() if k != "local_steps"},
             **extra,
+            **private,
             **self.engine.round_stats(),
         }
         if rejected:
@@ -129,6 +151,9 @@ class Simulation:
         offset = self.history[-1].get("wall_time_s", 0.0) if self.history else 0.0
         r = self.start_round
         while r < self.loop.rounds:
+            if self.privacy is not None and self.privacy.should_stop(r):
+                log.warning("%s", self.privacy.stop_reason)
+                break
             try:
                 row = self.run_round(r)
                 row["wall_time_s"] = offset + time.perf_counter() - wall0
@@ -165,7 +190,10 @@ class Simulation:
     def after_round(self, r: int) -> None:
         """Checkpoint when due (extension point for subclasses: call super)."""
         if self.checkpointer is not None and self.checkpointer.due(r + 1, self.loop.rounds):
-            self.checkpointer.save(r + 1, self.server.state_dict(), self.engine, self.history)
+            state = self.server.state_dict()
+            if self.privacy is not None:  # (adaptive clipping's C)
+                state = {**state, PRIVACY_STATE: self.privacy.state_dict()}
+            self.checkpointer.save(r + 1, state, self.engine, self.history)
 
     def restore(self, ckpt: Checkpoint | None) -> None:
         """Continue after ``ckpt`` (None: start from round 1 with empty client state)."""
@@ -177,7 +205,14 @@ class Simulation:
             return
         if ckpt.round > self.loop.rounds:
             raise ValueError(f"checkpoint {ckpt.path} is after round {ckpt.round}, beyond rounds={self.loop.rounds}")
-        self.server.load_state_dict(ckpt.server)
+        server_state = dict(ckpt.server)
+        privacy_state = server_state.pop(PRIVACY_STATE, None)
+        if (privacy_state is None) != (self.privacy is None):
+            raise ValueError(f"checkpoint {ckpt.path} was made {'without' if privacy_state is None else 'with'} "
+                             "client-level DP, this run is configured otherwise")
+        self.server.load_state_dict(server_state)
+        if self.privacy is not None:
+            self.privacy.load_state_dict(privacy_state)
         self.engine.load_state_dict(ckpt.engine)
         self.engine.restore_state(ckpt.path, ckpt.round)
         set_rng_state(ckpt.rng)
@@ -201,4 +236,5 @@ class Simulation:
             "median_round_s": statistics.median(times[1:] if len(times) > 1 else times) if times else None,
             "bytes_up_total": sum(row["bytes_up"] for row in self.history),
             "bytes_down_total": sum(row["bytes_down"] for row in self.history),
+            **(self.privacy.summary(len(self.history)) if self.privacy is not None else {}),
         }

@@ -280,6 +280,27 @@ class CohortTrainer:
             total.addmv_(part.T, w[lo:hi])
         return total
 
+    def delta_norms(self, results: Sequence[MemberResult], starts: Sequence[torch.Tensor]) -> list[float]:
+        """``||results[k].vector - starts[k]||`` (the float32 difference, its norm in float64) for results
+        of the last ``fit``, a block of rows at a time: the per-client norms that client-level DP clips
+        by when a chunk is summed at once (``FedAvgCohort.sum_into``)."""
+        vectors = self._vectors
+        if vectors is None or any(r.vector._base is not vectors for r in results):
+            raise ValueError("delta_norms takes results of this trainer's last fit only")
+        if len(starts) != len(results):
+            raise ValueError(f"delta_norms needs one start per result, got {len(starts)} for {len(results)}")
+        d = vectors.shape[1]
+        step = max(1, 2**20 // max(d, 1))
+        same = all(s is starts[0] for s in starts)
+        out: list[float] = []
+        for lo in range(0, len(results), step):
+            hi = min(lo + step, len(results))
+            rows = torch.tensor([r.row for r in results[lo:hi]], device=vectors.device)
+            base = starts[0].to(vectors.device) if same else torch.stack([s.to(vectors.device) for s in starts[lo:hi]])
+            diff = vectors.index_select(0, rows) - base
+            out += torch.linalg.vector_norm(diff.to(torch.float64), dim=1).tolist()
+        return out
+
     @staticmethod
     def _shuffle(shuffled: torch.Tensor, own_rows: torch.Tensor, plan: _Schedule, starting: list[int],
                  generators: list[torch.Generator | None], seeds: np.ndarray) -> None:

@@ -1,0 +1,76 @@
+"""A run's privacy config checked at start-up, and the client and server halves built for it.
+
+Used by ``experiment.py`` (the simulator: inline and Ray), by the Flower ClientApp and ServerApp,
+so every runtime refuses the same configurations with the same messages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fl_platform.privacy.config import PrivacyConf, check_values, privacy_conf
+from fl_platform.privacy.spec import PrivacyUnsupported, PrivateUploads
+
+
+def private_uploads_of(spec: Any, alg_conf: Any, mode: str = "central") -> PrivateUploads:
+    """What the algorithm clips and noises under DP; PrivacyUnsupported (naming the algorithm) if nothing sound."""
+    name = spec.name
+    if not spec.server.summable:
+        raise PrivacyUnsupported(
+            f"algorithm={name} is refused under privacy={mode}: its server takes each client's upload whole "
+            "(list mode: one-shot ensembles, distillation, fusion), while client-level DP here clips every update "
+            "and noises their sum; no sound mechanism for its server step is implemented")
+    try:
+        return spec.client.private_uploads(alg_conf)
+    except PrivacyUnsupported as err:
+        raise PrivacyUnsupported(f"algorithm={name} is refused under privacy={mode}: {err}") from None
+
+
+def check_privacy(cfg: Any, spec: Any, alg_conf: Any) -> PrivacyConf:
+    """The run's PrivacyConf, or ValueError naming the key (``privacy.*`` or ``algorithm``)."""
+    from fl_platform.privacy.accounting import check_covered
+
+    conf = privacy_conf(cfg.get("privacy"))
+    check_values(conf, int(cfg.num_clients), int(cfg.clients_per_round))
+    if conf.name == "none":
+        return conf
+    private_uploads_of(spec, alg_conf, conf.name)
+    check_covered(conf.name, conf.accountant, conf.sampling, int(cfg.num_clients), int(cfg.clients_per_round))
+    return conf
+
+
+def make_client_privacy(conf: PrivacyConf | None, spec: Any, alg_conf: Any):
+    """The client half (``clipping.ClientPrivacy``), or None for ``privacy=none``."""
+    if conf is None or conf.name == "none":
+        return None
+    from fl_platform.privacy.clipping import ClientPrivacy
+
+    return ClientPrivacy(conf, private_uploads_of(spec, alg_conf, conf.name), spec.client.uploads(alg_conf))
+
+
+def make_server_privacy(conf: PrivacyConf | None, spec: Any, alg_conf: Any, sizes: dict[str, int], *,
+                        num_clients: int, clients_per_round: int, rounds: int, seed: int):
+    """The server half (``server.ServerPrivacy``), or None for ``privacy=none``. ``sizes``: the
+    contribution's tensor sizes (``compression.uplink.contribution_sizes``)."""
+    if conf is None or conf.name == "none":
+        return None
+    from fl_platform.privacy.server import ServerPrivacy
+
+    return ServerPrivacy(conf, private_uploads_of(spec, alg_conf, conf.name), sizes, num_clients=num_clients,
+                         clients_per_round=clients_per_round, rounds=rounds, seed=seed)
+
+
+def server_privacy_for(conf: PrivacyConf | None, spec: Any, alg_conf: Any, alg_setup: Any, fm: Any, *,
+                       num_clients: int, clients_per_round: int, rounds: int, seed: int):
+    """``make_server_privacy`` with the contribution sizes read off a client half built for ``fm``'s model
+    (built with torch's RNG set aside, so the run's draws do not depend on privacy being on)."""
+    if conf is None or conf.name == "none":
+        return None
+    import torch
+
+    from fl_platform.compression.uplink import contribution_sizes
+
+    with torch.random.fork_rng(devices=[]):
+        client = spec.client(alg_conf, alg_setup)
+    return make_server_privacy(conf, spec, alg_conf, contribution_sizes(client, fm), num_clients=num_clients,
+                               clients_per_round=clients_per_round, rounds=rounds, seed=seed)
