@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 
 from fl_platform.compression.registry import compressor_schemas
 from fl_platform.experiment import build
+from fl_platform.privacy.config import PrivacyConf
 from fl_platform.system.config import DistConf, SystemConf
 from fl_platform.training.loop import TrainConfig
 
@@ -394,3 +395,44 @@ def test_every_train_field_changes_the_run_or_is_refused(base, name, default):
     current = OmegaConf.select(_base(overrides), f"train.{name}")
     spec = TRAIN_PERTURB.get(f"{base}.{name}", TRAIN_PERTURB.get(name, _generic(current)))
     check_key(overrides, "train", name, f"train({base})", spec)
+
+
+# ---------------------------------------------------------------- privacy
+
+
+PRIVACY_BASES = ("none", "central", "local")
+ADAPTIVE = {"adaptive.enabled": True, "adaptive.count_stddev": 2.0}  # sigma_b must exceed z/2 = 0.5
+# 12: between epsilon after 1 and 2 rounds (a Gaussian with z = 1, replace-one: about 10.7 and 16.5),
+# so the run stops after round 1.
+PRIVACY_PERTURB: dict[str, Any] = {"target_epsilon": 12.0, "accountant": "pld", "sampling": "poisson",
+                                   "adaptive.count_stddev": 2.0,
+                                   "adaptive.enabled": Perturb(True, also={"privacy.adaptive.count_stddev": 2.0})}
+
+
+@pytest.mark.parametrize(("base", "name", "default"),
+                         [pytest.param(b, n, d, id=f"{b}-{n}") for b in PRIVACY_BASES
+                          for n, d in _leaves(PrivacyConf()) if n != "name"])
+def test_every_privacy_field_changes_the_run_or_is_refused(base, name, default):
+    """privacy=none refuses every field; central's and local's act (epsilon in the rows, the noise,
+    the clip, the stop), or are refused where they cannot (adaptive clipping under local DP)."""
+    overrides = (*TINY, *MLP, f"privacy={base}")
+    current = OmegaConf.select(_base(overrides), f"privacy.{name}")
+    spec = PRIVACY_PERTURB.get(name, _generic(current))
+    if base == "central" and name.startswith("adaptive.") and name != "adaptive.enabled":
+        spec = Perturb(_generic(ADAPTIVE[name]) if name in ADAPTIVE else _generic(current), ADAPTIVE)
+    assert spec is not MISSING, f"no perturbation for privacy.{name}"
+    check_key(overrides, "privacy", name, f"privacy={base}", spec)
+
+
+@pytest.mark.parametrize("algorithm", algorithm_names())
+def test_every_algorithm_runs_under_dp_or_refuses_it(algorithm):
+    """privacy=central on every algorithm: it acts (clipped, noised, epsilon rows), or start-up refuses it
+    naming privacy (list-mode one-shot methods, FuseFL, FedImpro's statistics, BAOW's OPWA)."""
+    overrides = (*TINY, f"algorithm={algorithm}", *ALGORITHM_BASES[algorithm])
+    reference = _reference(overrides, "", {})
+    try:
+        result = _run(_base((*overrides, "privacy=central")))
+    except (ValueError, NotImplementedError) as err:
+        assert "privacy=central" in str(err)
+        return
+    assert _differs(result, reference)
