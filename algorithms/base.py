@@ -325,6 +325,9 @@ class AlgorithmSpec:
     #: Number of model outputs given (conf, num_classes); None = num_classes. VHL's 2C-way head
     #: uses it, so the model factory stays generic (``Setup.num_classes`` stays the real C).
     model_outputs: Callable[[AlgorithmConf, int], int] | None = None
+    #: Whether the algorithm cuts the model into stages (``StagedModel``: named stages, a linear ``head``),
+    #: as FedImpro, VHL and FuseFL do; a user's model (``model=custom``) is checked for them at start-up.
+    staged_model: bool = False
 
     def num_model_outputs(self, conf: AlgorithmConf, num_classes: int) -> int:
         return num_classes if self.model_outputs is None else int(self.model_outputs(conf, num_classes))

@@ -404,4 +404,5 @@ class FedImproServer(FedAvgServer):
 
 
 SPEC = AlgorithmSpec("fedimpro", FedImproConf, FedImproClient, FedImproServer,
-                     "FedImpro: high-level part trained on real + shared per-class Gaussian features")
+                     "FedImpro: high-level part trained on real + shared per-class Gaussian features",
+                     staged_model=True)

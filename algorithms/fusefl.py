@@ -623,4 +623,5 @@ class FuseFLServer(ServerAlgorithm):
 
 
 SPEC = AlgorithmSpec("fusefl", FuseFLConf, FuseFLClient, FuseFLServer,
-                     "FuseFL: K blocks trained bottom-up over K rounds, fused across clients, calibrated head")
+                     "FuseFL: K blocks trained bottom-up over K rounds, fused across clients, calibrated head",
+                     staged_model=True)

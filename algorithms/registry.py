@@ -1,32 +1,123 @@
-"""Algorithms by name. A new algorithm is one module with a ``SPEC`` plus one line here."""
+"""Algorithms by name: the built-ins, installed plug-ins (entry points) and specs registered in-process.
+
+Every algorithm is an ``AlgorithmSpec`` named by an import reference (``module:SPEC``) and loaded
+by ``fl_platform.plugins.load``: the built-ins from the table below, an installed package's from
+the entry-point group ``fl_platform.algorithms``::
+
+    # the plug-in's pyproject.toml
+    [project.entry-points."fl_platform.algorithms"]
+    fedadam = "my_algorithm.fedadam:SPEC"
+
+after which ``algorithm=fedadam`` is a choice like ``algorithm=fedavg`` (fl_platform/config.py
+registers its conf with Hydra). Code that is not installed is named directly:
+``algorithm=plugin algorithm._target_=mypkg.alg:SPEC`` (:func:`spec_of`), or handed to
+``fl_platform.api.run(algorithm=SPEC)`` (:func:`register_algorithm`).
+"""
 
 from __future__ import annotations
 
-import importlib
+import logging
 
 from fl_platform.algorithms.base import AlgorithmSpec
 
-_MODULES = {
-    "fedavg": "fl_platform.algorithms.fedavg",
-    "fedprox": "fl_platform.algorithms.fedprox",
-    "scaffold": "fl_platform.algorithms.scaffold",
-    "fedimpro": "fl_platform.algorithms.fedimpro",
-    "vhl": "fl_platform.algorithms.vhl",
-    "baow": "fl_platform.algorithms.baow",
-    "oneshot_fedavg": "fl_platform.algorithms.oneshot.fedavg",
-    "oneshot_ensemble": "fl_platform.algorithms.oneshot.ensemble",
-    "oneshot_feddf": "fl_platform.algorithms.oneshot.feddf",
-    "oneshot_dense": "fl_platform.algorithms.oneshot.dense",
-    "oneshot_coboost": "fl_platform.algorithms.oneshot.coboost",
-    "fusefl": "fl_platform.algorithms.fusefl",
+from fl_platform.plugins import ALGORITHM_ENTRY_POINTS, PluginError, entry_points, load, target_of
+
+log = logging.getLogger(__name__)
+
+BUILTIN: dict[str, str] = {
+    "fedavg": "fl_platform.algorithms.fedavg:SPEC",
+    "fedprox": "fl_platform.algorithms.fedprox:SPEC",
+    "scaffold": "fl_platform.algorithms.scaffold:SPEC",
+    "fedimpro": "fl_platform.algorithms.fedimpro:SPEC",
+    "vhl": "fl_platform.algorithms.vhl:SPEC",
+    "baow": "fl_platform.algorithms.baow:SPEC",
+    "oneshot_fedavg": "fl_platform.algorithms.oneshot.fedavg:SPEC",
+    "oneshot_ensemble": "fl_platform.algorithms.oneshot.ensemble:SPEC",
+    "oneshot_feddf": "fl_platform.algorithms.oneshot.feddf:SPEC",
+    "oneshot_dense": "fl_platform.algorithms.oneshot.dense:SPEC",
+    "oneshot_coboost": "fl_platform.algorithms.oneshot.coboost:SPEC",
+    "fusefl": "fl_platform.algorithms.fusefl:SPEC",
 }
+
+#: The option of the ``algorithm`` config group that names its spec by ``algorithm._target_``.
+PLUGIN = "plugin"
+
+_REGISTERED: dict[str, AlgorithmSpec] = {}  # register_algorithm, this process only
+
+
+def algorithm_refs() -> dict[str, str]:
+    """name -> reference of every built-in and installed (entry-point) algorithm."""
+    refs = dict(BUILTIN)
+    for name, ep in entry_points(ALGORITHM_ENTRY_POINTS).items():
+        if name in refs or name == PLUGIN:
+            log.warning("the installed plug-in algorithm %s=%s is ignored: %s is a built-in name", name, ep.value,
+                        name)
+            continue
+        refs[name] = ep.value
+    return refs
 
 
 def algorithm_names() -> list[str]:
-    return sorted(_MODULES)
+    """Every name ``algorithm=<name>`` accepts (``plugin`` aside)."""
+    return sorted(set(algorithm_refs()) | set(_REGISTERED))
 
 
-def get_algorithm(name: str) -> AlgorithmSpec:
-    if name not in _MODULES:
-        raise ValueError(f"unknown algorithm {name!r}; valid choices: {', '.join(algorithm_names())}")
-    return importlib.import_module(_MODULES[name]).SPEC
+def builtin_algorithm_names() -> list[str]:
+    return sorted(BUILTIN)
+
+
+def load_spec(ref: str, key: str = "algorithm._target_") -> AlgorithmSpec:
+    """The ``AlgorithmSpec`` that ``ref`` names (an error naming ``key`` if it is something else)."""
+    spec = load(ref, key)
+    if not isinstance(spec, AlgorithmSpec):
+        raise PluginError(f"{key}={ref} is a {type(spec).__name__}, not an AlgorithmSpec: point it at the module's "
+                          "SPEC = AlgorithmSpec(name, Conf, ClientHalf, ServerHalf, summary) (docs/algorithm-api.md)")
+    return spec
+
+
+def get_algorithm(name: str | AlgorithmSpec) -> AlgorithmSpec:
+    """The spec of algorithm ``name``; a spec is returned as it is (a setup carries its resolved spec
+    to the workers, so they never look a name up)."""
+    if isinstance(name, AlgorithmSpec):
+        return name
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    refs = algorithm_refs()
+    if name not in refs:
+        raise ValueError(f"unknown algorithm {name!r}; valid choices: {', '.join(algorithm_names())} (or "
+                         f"algorithm={PLUGIN} algorithm._target_=<module>:SPEC for your own)")
+    return load_spec(refs[name], f"algorithm={name}")
+
+
+def register_algorithm(spec: AlgorithmSpec, name: str | None = None) -> str:
+    """Make ``spec`` the algorithm ``name`` (default ``spec.name``) in this process, a config-group
+    option like the built-ins; returns the name. A built-in or installed name is refused."""
+    name = name or spec.name
+    if not isinstance(spec, AlgorithmSpec):
+        raise TypeError(f"register_algorithm takes an AlgorithmSpec, got {type(spec).__name__}")
+    if name == PLUGIN or (name in algorithm_refs()):
+        raise ValueError(f"algorithm name {name!r} is taken (built-in or installed); give another name")
+    if _REGISTERED.get(name, spec) is not spec:
+        log.info("algorithm %s re-registered", name)
+    _REGISTERED[name] = spec
+    from fl_platform.config import register_algorithm_option
+
+    register_algorithm_option(name, spec)
+    return name
+
+
+def unregister_algorithm(name: str) -> None:
+    """Forget an algorithm :func:`register_algorithm` registered, and its config option."""
+    if _REGISTERED.pop(name, None) is not None:
+        from fl_platform.config import unregister_algorithm_option
+
+        unregister_algorithm_option(name)
+
+
+def spec_of(node: object) -> AlgorithmSpec:
+    """The spec of an ``algorithm`` config section: ``algorithm._target_`` for ``algorithm=plugin``,
+    else its name."""
+    name = getattr(node, "name", None)
+    if name == PLUGIN:
+        return load_spec(target_of(node, "algorithm", "SPEC"))
+    return get_algorithm(name)  # type: ignore[arg-type]

@@ -238,4 +238,4 @@ class VHLServer(FedAvgServer):
 
 SPEC = AlgorithmSpec("vhl", VHLConf, VHLClient, VHLServer,
                      "VHL: shared virtual data from a seeded untrained generator + feature calibration",
-                     model_outputs=_model_outputs)
+                     model_outputs=_model_outputs, staged_model=True)

@@ -98,7 +98,8 @@ class FederatedDataset:
 
 def default_partition(name: str) -> str:
     """``natural`` for sources with natural groups (synthetic, femnist, shakespeare), else ``iid``."""
-    registry.get_loader(name)
+    if name != registry.CUSTOM:
+        registry.get_loader(name)
     return "natural" if name in registry.GROUPED_SOURCES else "iid"
 
 

@@ -7,19 +7,23 @@ and the expected type, and an unknown option lists the valid ones.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum, StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from fl_platform.algorithms.registry import algorithm_names, get_algorithm
+from fl_platform.algorithms.base import AlgorithmConf, AlgorithmSpec
+from fl_platform.algorithms.registry import BUILTIN, PLUGIN, algorithm_names, get_algorithm
 from fl_platform.compression.registry import CompressorConf, compressor_schemas
 from fl_platform.datasets.augment import AugmentConf
 from fl_platform.privacy.config import PrivacyConf, privacy_schemas
 from fl_platform.system.config import SystemConf, system_schemas
 from fl_platform.training.loop import TrainConfig
+
+log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------- dataset
 
@@ -115,6 +119,18 @@ class ShakespeareConf(DatasetConf):
     max_speakers: int | None = None
 
 
+@dataclass
+class CustomDatasetConf(DatasetConf):
+    """The user's own loader: ``dataset=custom dataset._target_=mypkg.data:load +dataset.<arg>=...``.
+
+    The loader returns a ``SourceData`` (datasets/source.py) and is called with its own arguments
+    from this section (checked against its signature at start-up: an unknown one is an error naming
+    it) plus whichever of ``root``, ``download`` and ``seed`` it takes; any partitioner splits it."""
+
+    name: str = "custom"
+    _target_: str = MISSING
+
+
 # ---------------------------------------------------------------- partition
 
 
@@ -202,6 +218,31 @@ class LSTMConf(ModelConf):
     embed_dim: int = 8
     hidden: int = 256
     num_layers: int = 2
+
+
+@dataclass
+class CustomModelConf(ModelConf):
+    """The user's own ``nn.Module``: ``model=custom model._target_=mypkg.nets:WideNet +model.width=64``.
+
+    ``_target_`` is a class or function returning the module; it is called with its own arguments
+    from this section (checked against its signature at start-up: an unknown one is an error naming
+    it) plus ``input_shape`` and ``num_classes`` when it takes them (fl_platform/models/custom.py)."""
+
+    name: str = "custom"
+    _target_: str = MISSING
+
+
+# ---------------------------------------------------------------- algorithm
+
+
+@dataclass
+class PluginAlgorithmConf(AlgorithmConf):
+    """An algorithm from the user's module that is not installed as a plug-in:
+    ``algorithm=plugin algorithm._target_=mypkg.alg:SPEC +algorithm.<field>=...``; the fields are
+    the SPEC's conf dataclass's, checked against it at start-up (experiment.algorithm_conf)."""
+
+    name: str = PLUGIN
+    _target_: str = MISSING
 
 
 # ---------------------------------------------------------------- engine, logger, top level
@@ -305,14 +346,31 @@ class Config:
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "dataset": {"digits": DigitsConf, "synthetic": SyntheticConf, "mnist": MNISTConf,
                 "fashion_mnist": FashionMNISTConf, "cifar10": CIFAR10Conf, "cifar100": CIFAR100Conf,
-                "femnist": FEMNISTConf, "shakespeare": ShakespeareConf, "hf": HFConf},
+                "femnist": FEMNISTConf, "shakespeare": ShakespeareConf, "hf": HFConf, "custom": CustomDatasetConf},
     "partition": {"iid": IIDConf, "dirichlet": DirichletConf, "shards": ShardsConf,
                   "power_law": PowerLawConf, "natural": NaturalConf, "flwr": FlwrPartitionConf},
-    "model": {"mlp": MLPConf, "cnn": CNNConf, "resnet18": ResNet18Conf, "lstm": LSTMConf},
+    "model": {"mlp": MLPConf, "cnn": CNNConf, "resnet18": ResNet18Conf, "lstm": LSTMConf, "custom": CustomModelConf},
     "compressor": compressor_schemas(),
     "system": system_schemas(),
     "privacy": privacy_schemas(),
 }
+
+#: Options whose section also holds the user's own arguments (``+model.width=64``), checked against the
+#: plug-in at start-up rather than by Hydra: group -> option -> its schema (the platform's fields).
+OPEN_OPTIONS: dict[str, dict[str, type]] = {
+    "model": {"custom": CustomModelConf}, "dataset": {"custom": CustomDatasetConf},
+    "algorithm": {PLUGIN: PluginAlgorithmConf},
+}
+
+
+def user_fields(group: str, node: Any) -> dict[str, Any]:
+    """The fields of section ``group`` that are the user's (not its open option's schema's); {} when its
+    option is not open."""
+    schema = OPEN_OPTIONS.get(group, {}).get(str(node.get("name") if hasattr(node, "get") else None))
+    if schema is None:
+        return {}
+    own = {f.name for f in fields(schema)}
+    return {k: v for k, v in options_of(node, exclude=()).items() if k not in own}
 
 
 def run_dir_for(resume: str, checkpoint_every: Any, stamped: str, stable: str) -> str:
@@ -322,6 +380,29 @@ def run_dir_for(resume: str, checkpoint_every: Any, stamped: str, stable: str) -
     if resume not in ("auto", "never"):
         return resume
     return stable if int(checkpoint_every) > 0 else stamped
+
+
+def unknown_keys(node: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of ``node`` (a composed config) that its schema dataclasses do not declare.
+
+    Hydra refuses a new key unless it is added with ``+`` (``+algorithm.mux=1``), and merging onto a
+    schema keeps an added key without complaint: this finds them, so that such a key is refused
+    rather than ignored. The user's own fields in an open option (``model=custom``, ...) are left to
+    the plug-in checks (experiment.check_plugins)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if not isinstance(node, DictConfig):
+        return []
+    schema = OmegaConf.get_type(node)
+    group = prefix.rstrip(".")
+    if group in OPEN_OPTIONS and str(node.get("name")) in OPEN_OPTIONS[group]:
+        schema = None  # the platform's own fields of an open option are typed; the rest is the user's
+    declared = {f.name for f in fields(schema)} if schema is not None and is_dataclass(schema) else None
+    out = [f"{prefix}{k}" for k in node if declared is not None and k not in declared]
+    for key in node:
+        if declared is None or key in declared:
+            out += unknown_keys(node._get_node(key), f"{prefix}{key}.")
+    return out
 
 
 def register_resolvers() -> None:
@@ -350,8 +431,60 @@ def register_configs() -> None:
     for group, options in GROUP_SCHEMAS.items():
         for option, schema in options.items():
             cs.store(group=f"schema/{group}", name=option, node=schema)
+    cs.store(group="schema/algorithm", name=PLUGIN, node=PluginAlgorithmConf)
     for name in algorithm_names():
-        cs.store(group="schema/algorithm", name=name, node=get_algorithm(name).conf)
+        try:
+            spec = get_algorithm(name)
+        except Exception as err:  # a broken installed plug-in must not take the built-ins down with it
+            log.warning("algorithm %s not available: %s", name, err)
+            continue
+        if name in BUILTIN:  # conf/algorithm/<name>.yaml extends the schema
+            cs.store(group="schema/algorithm", name=name, node=spec.conf)
+        else:
+            register_algorithm_option(name, spec)
+
+
+def register_algorithm_option(name: str, spec: AlgorithmSpec) -> None:
+    """Make ``spec`` the option ``algorithm=<name>`` (its conf dataclass as the schema, ``name`` set),
+    listed among the group's choices; what plug-in algorithms get instead of a YAML file."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(spec.conf)
+    node.name = name
+    cs = ConfigStore.instance()
+    cs.store(group="schema/algorithm", name=name, node=spec.conf)
+    cs.store(group="algorithm", name=name, node=node)
+
+
+def unregister_algorithm_option(name: str) -> None:
+    """Drop the option ``algorithm=<name>`` that :func:`register_algorithm_option` made."""
+    repo = ConfigStore.instance().repo
+    for group in ("algorithm",):
+        repo.get(group, {}).pop(f"{name}.yaml", None)
+    repo.get("schema", {}).get("algorithm", {}).pop(f"{name}.yaml", None)
+
+
+def compose(overrides: Any = (), conf_dir: Any = None) -> Any:
+    """The config ``python -m fl_platform.run <overrides>`` would run (Hydra's compose of conf/, whose
+    folder is ``conf_dir``, default: beside the running fl_platform package)."""
+    from pathlib import Path
+
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import fl_platform
+
+    register_configs()
+    directory = Path(conf_dir) if conf_dir is not None else fl_platform.REPO_ROOT / "conf"
+    if not (directory / "config.yaml").is_file():
+        raise FileNotFoundError(f"Hydra config directory {directory} has no config.yaml")
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(directory.resolve()), version_base="1.3"):
+            return hydra_compose(config_name="config", overrides=list(overrides))
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def options_of(node: Any, exclude: tuple[str, ...] = ("name",)) -> dict[str, Any]:

@@ -6,6 +6,7 @@ exactly the same code path.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -17,8 +18,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fl_platform.algorithms.registry import get_algorithm
-from fl_platform.config import options_of
+from fl_platform.algorithms.registry import PLUGIN, get_algorithm, spec_of
+from fl_platform.config import options_of, unknown_keys
 from fl_platform.datasets.federated import FederatedDataset, build_federated_dataset
 from fl_platform.models import check_model_input
 from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
@@ -102,7 +103,38 @@ def validate(cfg: DictConfig) -> None:
     for ok, key, message in checks:
         if not ok:
             raise ConfigError(f"{key} {message}")
+    check_keys_and_plugins(cfg)
     check_effective(cfg)
+
+
+def check_keys_and_plugins(cfg: DictConfig) -> None:
+    """No key that nothing reads (``+key=value`` beyond the schemas), and the user's code loads with
+    the config's fields for it (also S-SGD's validation)."""
+    unknown = unknown_keys(cfg)
+    if unknown:
+        raise ConfigError(f"{', '.join(unknown)}: not a key of the config (a + override adds a key no schema "
+                          "declares, so nothing would read it)")
+    check_plugins(cfg)
+
+
+def check_plugins(cfg: DictConfig) -> None:
+    """The user's code that the config names (a custom model or dataset, a plug-in algorithm) loads,
+    and the config's fields for it are its parameters (an unknown one is refused, naming it)."""
+    from fl_platform.datasets.registry import CUSTOM as CUSTOM_DATA
+    from fl_platform.datasets.registry import custom_loader
+    from fl_platform.models.custom import CUSTOM, builder_of, split_options
+
+    try:
+        if "algorithm" in cfg:
+            spec_of(cfg.algorithm)
+        if cfg.model.name == CUSTOM:
+            builder_of(*split_options(options_of(cfg.model)))
+        if cfg.dataset.name == CUSTOM_DATA:
+            ds = cfg.dataset
+            own = options_of(ds, exclude=("name", "root", "download", "augment", "_target_"))
+            custom_loader(None if OmegaConf.is_missing(ds, "_target_") else ds._target_, own, ds.root, ds.download)
+    except (ValueError, TypeError) as err:  # PluginError is a ValueError
+        raise ConfigError(str(err)) from None
 
 
 def train_inactive(train: TrainConfig) -> dict[str, str]:
@@ -139,7 +171,7 @@ def check_effective(cfg: DictConfig) -> None:
 
     train = train_config(cfg)
     refuse_inactive("train", train, TrainConfig(), train_inactive(train))
-    spec = get_algorithm(cfg.algorithm.name)
+    spec = spec_of(cfg.algorithm)
     alg = algorithm_conf(cfg)
     refuse_inactive("algorithm", alg, spec.conf(), alg.inactive_fields(cfg))
     if cfg.get("compressor") is not None:
@@ -149,7 +181,7 @@ def check_effective(cfg: DictConfig) -> None:
             raise ConfigError(str(err)) from None
         refuse_inactive("compressor", comp, COMPRESSORS[comp.name][0](), comp.inactive_fields(cfg.rounds))
         try:
-            check_compressor(comp, spec.client.uploads(alg), cfg.algorithm.name,
+            check_compressor(comp, spec.client.uploads(alg), algorithm_name(cfg),
                              getattr(spec.client, "compresses_uplink", False))
         except ValueError as err:
             raise ConfigError(str(err)) from None
@@ -178,9 +210,28 @@ def train_config(cfg: DictConfig) -> TrainConfig:
     return TrainConfig(**OmegaConf.to_container(cfg.train, resolve=True))
 
 
+def algorithm_name(cfg: DictConfig) -> str:
+    """The algorithm's name for logs and summaries: ``algorithm.name``, or the spec's for ``algorithm=plugin``."""
+    return spec_of(cfg.algorithm).name if cfg.algorithm.name == PLUGIN else cfg.algorithm.name
+
+
 def algorithm_conf(cfg: DictConfig):
-    spec = get_algorithm(cfg.algorithm.name)
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(spec.conf), cfg.algorithm))
+    """The algorithm section as its spec's conf dataclass. ``algorithm=plugin``: its fields but
+    ``_target_`` onto the SPEC's conf, so a field the conf lacks is an error naming it."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    spec = spec_of(cfg.algorithm)
+    if cfg.algorithm.name != PLUGIN:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(spec.conf), cfg.algorithm))
+    own = options_of(cfg.algorithm, exclude=("name", "_target_"))
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(spec.conf), own))
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "?"
+        names = [f.name for f in dataclasses.fields(spec.conf) if f.name != "name"]
+        raise ConfigError(f"algorithm.{key}: {str(err).splitlines()[0]} (algorithm._target_="
+                          f"{cfg.algorithm._target_}: {spec.conf.__name__} has fields {', '.join(names) or 'none'})"
+                          ) from None
 
 
 def load_data(cfg: DictConfig) -> FederatedDataset:
@@ -194,17 +245,29 @@ def load_data(cfg: DictConfig) -> FederatedDataset:
 
 
 def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
-    outputs = get_algorithm(cfg.algorithm.name).num_model_outputs(algorithm_conf(cfg), data.num_classes)
-    model = ModelFactory(cfg.model.name, tuple(data.input_shape), outputs, options_of(cfg.model))
+    from fl_platform import plugins
+    from fl_platform.models.custom import CUSTOM, TARGET
+
+    spec = spec_of(cfg.algorithm)
+    alg_conf = algorithm_conf(cfg)
+    outputs = spec.num_model_outputs(alg_conf, data.num_classes)
+    options = options_of(cfg.model)
+    user_code: list[Any] = [spec.conf, spec.client, spec.server, type(alg_conf)]
+    if cfg.model.name == CUSTOM:  # the class itself travels in the factory (and is imported once, here)
+        options[TARGET] = plugins.load(options[TARGET], "model._target_")
+        user_code.append(options[TARGET])
+    model = ModelFactory(cfg.model.name, tuple(data.input_shape), outputs, options)
     if data.vocab is not None and cfg.model.name == "lstm":
         model = ModelFactory(model.name, model.input_shape, model.num_classes,
                              {**model.options, "vocab_size": len(data.vocab)})
     check_model_input(model.name, model.input_shape, model.num_classes, data.train_x.dtype,
-                      dataset=cfg.dataset.name, **model.options)
+                      dataset=cfg.dataset.name, stages_for=algorithm_name(cfg) if spec.staged_model else None,
+                      **model.options)
+    plugins.note_in_use(user_code)
     engine = cfg.engine
     threads = engine.threads_per_worker or max(1, int(engine.cpus_per_worker))
     return ExperimentSetup(
-        dataset=data, model=model, algorithm=cfg.algorithm.name, algorithm_conf=algorithm_conf(cfg),
+        dataset=data, model=model, algorithm=spec, algorithm_conf=alg_conf,
         train=train_config(cfg), seed=cfg.seed, device=engine.device, state_store=engine.state_store,
         state_options={"cache_mb": engine.state_cache_mb, "fsync": engine.state_fsync,
                        **({"directory": os.path.abspath(os.path.expanduser(engine.state_dir))}
@@ -216,6 +279,7 @@ def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
         compressor=OmegaConf.to_container(cfg.compressor, resolve=True) if cfg.get("compressor") else None,
         system=build_system(cfg.get("system"), cfg.seed),
         privacy=privacy_conf(cfg.get("privacy")),
+        import_roots=plugins.import_roots(user_code),
     )
 
 
@@ -356,8 +420,21 @@ def check_resumable(cfg: DictConfig, saved_config: Path) -> None:
                           f"({'; '.join(diffs[:5])}); rerun with the same overrides, or resume=never to start over")
 
 
+@dataclass
+class Outcome:
+    """A finished run: its summary (summary.json) and one metrics row per round (metrics.jsonl)."""
+
+    summary: dict[str, Any]
+    history: list[dict[str, Any]]
+
+
 def run_experiment(cfg: DictConfig, run_dir: Path | str | None = None) -> dict[str, Any]:
     """Build, run, and write summary.json (and model.pt); returns the summary."""
+    return execute(cfg, run_dir).summary
+
+
+def execute(cfg: DictConfig, run_dir: Path | str | None = None) -> Outcome:
+    """Build, run, and write summary.json (and model.pt); returns the summary and the metric rows."""
     t0 = time.perf_counter()
     rd = RunDir(run_dir) if run_dir is not None else None
     exp = build(cfg, rd.path if rd else None)
@@ -381,7 +458,7 @@ def run_experiment(cfg: DictConfig, run_dir: Path | str | None = None) -> dict[s
             exp.engine.close()
         summary.update({
             "setup_time_s": setup_s,
-            "algorithm": cfg.algorithm.name, "dataset": cfg.dataset.name, "model": cfg.model.name,
+            "algorithm": algorithm_name(cfg), "dataset": cfg.dataset.name, "model": cfg.model.name,
             "partition": cfg.partition.name, "seed": cfg.seed, "num_clients": cfg.num_clients,
             "clients_per_round": cfg.clients_per_round,
             "engine": enum_value(cfg.engine.name),
@@ -393,4 +470,4 @@ def run_experiment(cfg: DictConfig, run_dir: Path | str | None = None) -> dict[s
         failed = False
     finally:
         reporter.close(summary, failed=failed)
-    return summary
+    return Outcome(summary, [dict(row) for row in exp.simulation.history])

@@ -341,7 +341,7 @@ TRAINABLE = {
 
 
 def test_every_dataset_has_its_samples_listed() -> None:
-    varying = {"hf"}  # its samples are those of whatever data set dataset.path names
+    varying = {"hf", "custom"}  # their samples are those of whatever dataset.path / dataset._target_ names
     assert {p.stem for p in (CONF_DIR / "dataset").glob("*.yaml")} - varying == set(DATASET_SAMPLES)
     assert set(TRAINABLE) == set(MODELS)
 

@@ -11,7 +11,9 @@ already runs one (then it joins that one and leaves it running).
   virtual environments, git data, outputs, data and results) as the job's ``working_dir``, so that
   a node needs only Python and the dependencies; the workers import the shipped copy. A local Ray
   started by the engine runs on this machine, which has the code: nothing is shipped.
-* ``null`` or ``{}``: ship nothing; every node must hold an identical install.
+  The user's plug-in code (a custom model, data loader or algorithm, fl_platform/plugins.py) goes
+  too: inside the checkout with it, a package outside it as a ``py_modules`` entry.
+* ``null`` or ``{}``: ship nothing; every node must hold an identical install (plug-ins included).
 * a mapping: Ray's ``runtime_env``, merged over the ``auto`` default (its keys replace the
   default's; ``working_dir: null`` drops the shipped code), e.g. ``{env_vars: {OMP_NUM_THREADS: "1"}}``
   or ``{pip: [...]}``.
@@ -68,6 +70,16 @@ def runtime_env_for(value: Any, joining: bool) -> dict[str, Any] | None:
     raise ValueError(f"engine.runtime_env must be auto, null or a mapping (Ray's runtime_env), got {value!r}")
 
 
+def with_plugin_modules(runtime_env: dict[str, Any]) -> dict[str, Any]:
+    """``runtime_env`` plus, as ``py_modules``, the packages of the user's code that this process's runs
+    use and that neither the shipped checkout nor the installed environment holds (fl_platform/plugins.py),
+    so cluster nodes import them as the driver does."""
+    from fl_platform import plugins
+
+    extra = [m for m in plugins.cluster_py_modules(plugins.in_use()) if m not in runtime_env.get("py_modules", [])]
+    return {**runtime_env, "py_modules": [*runtime_env.get("py_modules", []), *extra]} if extra else runtime_env
+
+
 def _host_port(address: str) -> tuple[str, int] | None:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -96,6 +108,8 @@ def connect(cfg: Any) -> bool:
                              f"at {current}; a process joins one cluster")
         return False
     runtime_env = runtime_env_for(setting, joining=address is not None)
+    if runtime_env is not None and address is not None:
+        runtime_env = with_plugin_modules(runtime_env)
     if runtime_env is not None:
         log.info("Ray job runtime_env: %s", runtime_env)
     ray.init(address=address, runtime_env=runtime_env, include_dashboard=False,

@@ -88,23 +88,13 @@ def conf_dir() -> Path:
 
 def compose(overrides: Iterable[str] = ()) -> DictConfig:
     """The config ``python -m fl_platform.run <overrides>`` would run."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from fl_platform.config import compose as compose_config
 
-    from fl_platform.config import register_configs
-
-    register_configs()
     directory = conf_dir()
     if not (directory / "config.yaml").is_file():
         raise FileNotFoundError(f"Hydra config directory {directory} has no config.yaml; the Flower app "
                                 "must ship conf/ (see [tool.flwr.app] fab-include in pyproject.toml)")
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(directory), version_base="1.3"):
-            return hydra_compose(config_name="config", overrides=list(overrides))
-    finally:
-        GlobalHydra.instance().clear()
+    return compose_config(overrides, directory)
 
 
 @lru_cache(maxsize=4)
@@ -120,7 +110,13 @@ def config_groups() -> list[str]:
 
 
 def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+    """The options of a config group: conf/<group>/*.yaml, and for ``algorithm`` the installed plug-ins."""
+    options = {p.stem for p in (conf_dir() / group).glob("*.yaml")}
+    if group == "algorithm":
+        from fl_platform.algorithms.registry import algorithm_refs
+
+        options.update(algorithm_refs())
+    return sorted(options)
 
 
 # ---------------------------------------------------------------- flattening
@@ -198,19 +194,25 @@ def flatten_config(cfg: DictConfig, deploy: DeployConf | None = None, minimal: b
     return flat
 
 
-def default_run_config() -> RunConfig:
+def default_run_config(overrides: Iterable[str] = ()) -> RunConfig:
     """The ``[tool.flwr.app.config]`` defaults: the default experiment plus every key of every
     option of every group, UNSET inside groups except ``<group>.name``.
 
     So a run config may set any option's keys (the SuperLink refuses keys it has no default
     for), and choosing another option (``algorithm.name="fedprox"``) picks up that option's own
-    defaults from conf/.
+    defaults from conf/. ``overrides`` add the group keys of the config they compose (UNSET): a
+    custom model's or plug-in algorithm's own fields (``+model.width=64``), which no option lists.
     """
     flat = flatten_config(compose(), minimal=False)
     for group, keys in _group_keys().items():
         for key in keys:
             if key != f"{group}.name":
                 flat[key] = UNSET
+    if overrides:
+        groups = set(config_groups())
+        for key in flatten_config(compose(overrides), minimal=False):
+            if key.partition(".")[0] in groups and not key.endswith(".name"):
+                flat.setdefault(key, UNSET)
     ordered = dict(sorted(flat.items(), key=lambda kv: kv[0].count(".") > 0))  # top-level keys first
     return {k: (UNSET if v == NULL else v) for k, v in ordered.items()}
 
@@ -256,7 +258,16 @@ def _render(value: Any) -> str:
 
 def to_overrides(run_config: Mapping[str, Any]) -> tuple[list[str], dict[str, Any]]:
     """Hydra overrides for ``run_config`` and its ``deploy.*`` part (group choices first)."""
+    from fl_platform.config import OPEN_OPTIONS
+
     groups = {p.name for p in conf_dir().iterdir() if p.is_dir()}
+    chosen = {key.partition(".")[0]: value for key, value in run_config.items()
+              if key.count(".") == 1 and key.endswith(".name")}
+
+    def users(head: str, rest: str) -> bool:  # a field of the user's code in an open option (+: added)
+        schema = OPEN_OPTIONS.get(head, {}).get(chosen.get(head))  # type: ignore[arg-type]
+        return schema is not None and rest.partition(".")[0] not in {f.name for f in fields(schema)}
+
     choices: list[str] = []
     values: list[str] = []
     deploy: dict[str, Any] = {}
@@ -271,7 +282,7 @@ def to_overrides(run_config: Mapping[str, Any]) -> tuple[list[str], dict[str, An
                 raise ValueError(f"run-config key {key} must name an option of conf/{head}/, got {value!r}")
             choices.append(f"{head}={value}")
         else:
-            values.append(f"{key}={_render(value)}")
+            values.append(f"{'+' if users(head, rest) else ''}{key}={_render(value)}")
     return choices + values, deploy
 
 

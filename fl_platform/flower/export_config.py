@@ -8,7 +8,9 @@ Overrides are exactly those of ``python -m fl_platform.run`` (plus ``deploy.*`` 
 experiment tuned in simulation is deployed with the same settings. ``--from-config
 <run_dir>/config.yaml`` exports a finished simulation run's resolved config instead.
 ``--pyproject`` prints the ``[tool.flwr.app.config]`` defaults for pyproject.toml (regenerate
-them when a config group gains an option or a field: the SuperLink refuses unknown keys).
+them when a config group gains an option or a field: the SuperLink refuses unknown keys); with
+overrides, the keys of the config they compose are added, e.g. a custom model's own arguments
+(``--pyproject model=custom model._target_=mypkg.nets:WideNet +model.width=64``).
 """
 
 from __future__ import annotations
@@ -57,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         deploy = parse_deploy(deploy_items)
         if args.pyproject:
-            if args.overrides or args.from_config:
-                raise ValueError("--pyproject takes no overrides and no --from-config")
-            text = to_toml(default_run_config(), "tool.flwr.app.config")
+            if deploy_items or args.from_config:
+                raise ValueError("--pyproject takes no deploy.* keys and no --from-config")
+            text = to_toml(default_run_config(hydra_overrides), "tool.flwr.app.config")
         else:
             if args.from_config is not None:
                 if hydra_overrides:

@@ -64,7 +64,7 @@ def _log_to(path: Path) -> logging.Handler:
 def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
                run_dir: Path | str | None = None) -> dict[str, Any]:
     """Run the experiment described by ``run_config`` over ``grid``; returns the summary."""
-    from fl_platform.experiment import load_data, make_setup, validate
+    from fl_platform.experiment import algorithm_name, load_data, make_setup, validate
 
     t0 = time.perf_counter()
     cfg, deploy = from_run_config(run_config)
@@ -112,7 +112,7 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
         summary = sim.run()
         summary.update({
             "setup_time_s": setup_s,
-            "algorithm": cfg.algorithm.name, "dataset": cfg.dataset.name, "model": cfg.model.name,
+            "algorithm": algorithm_name(cfg), "dataset": cfg.dataset.name, "model": cfg.model.name,
             "partition": cfg.partition.name, "seed": cfg.seed, "num_clients": cfg.num_clients,
             "clients_per_round": cfg.clients_per_round, "engine": "flower", "flower_run_id": run_id,
             "nodes": {str(c): n for c, n in sorted(strategy.node_of.items())},

@@ -1,6 +1,7 @@
 """Model zoo: every model is a :class:`StagedModel` (named stages, a linear ``head``).
 
-Use :func:`build_model` with a registry name; split algorithms use ``split``,
+Use :func:`build_model` with a registry name, or ``custom`` with ``_target_=<module>:<class>`` for
+the user's own ``nn.Module`` (fl_platform/models/custom.py); split algorithms use ``split``,
 ``partition``, ``forward_stages`` and ``features`` on the result.
 """
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from fl_platform.models.base import StagedModel
 from fl_platform.models.cnn import CNN
+from fl_platform.models.custom import CUSTOM, build_custom, dry_run_problem, split_options, target_name
 from fl_platform.models.lstm import CharLSTM
 from fl_platform.models.mlp import MLP
 from fl_platform.models.resnet import FUSEFL_RESNET18_CUTS, ResNet18
@@ -45,8 +47,12 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, **optio
     ``num_classes``. Construction draws only from torch's global RNG, so it is reproducible
     under ``torch.manual_seed``. Unknown options raise TypeError naming them; a model that
     cannot train on samples of ``input_shape`` raises :class:`ModelInputError` here, before
-    any training (see :func:`check_model_input`).
+    any training (see :func:`check_model_input`). ``custom``: ``options`` hold ``_target_`` and the
+    user's arguments (checked by :func:`check_model_input`, which knows the data's dtype).
     """
+    if name == CUSTOM:
+        ref, own = split_options(options)
+        return build_custom(ref, input_shape, num_classes, own)  # type: ignore[return-value]
     cls, shape = _checked_static(name, input_shape, num_classes, None, None, options)
     model = _construct(cls, shape, num_classes, options)
     _check_dry_run(name, model, num_classes, options, None, None)
@@ -59,7 +65,7 @@ class ModelInputError(ValueError):
 
 def check_model_input(name: str, input_shape: Sequence[int], num_classes: int,
                       input_dtype: torch.dtype | None = None, *, dataset: str | None = None,
-                      **options: Any) -> None:
+                      stages_for: str | None = None, **options: Any) -> None:
     """Refuse, at start-up, a model that cannot train on samples of ``input_shape`` and ``input_dtype``.
 
     Without this, such a pair fails deep inside torch, sometimes only mid-training (ResNet-18 on
@@ -67,9 +73,13 @@ def check_model_input(name: str, input_shape: Sequence[int], num_classes: int,
     check is the sample's rank and kind (float features vs integer token ids) and one dry
     training-mode forward pass of a one-sample batch; the message names the model, the shape,
     what the model takes, and the registered models that would take these samples.
-    ``dataset`` only names the data in the message. Runs once per process for each model config;
-    draws nothing from any RNG stream the run uses.
+    ``dataset`` only names the data in the message. ``stages_for`` names an algorithm that cuts the
+    model into stages: the model must then be a :class:`StagedModel`. Runs once per process for each
+    model config; draws nothing from any RNG stream the run uses.
     """
+    if name == CUSTOM:
+        _check_custom(input_shape, num_classes, input_dtype, dataset, stages_for, options)
+        return
     cls, shape = _checked_static(name, input_shape, num_classes, input_dtype, dataset, options)
     if _key(name, shape, num_classes, options) in _CHECKED:
         return
@@ -192,6 +202,31 @@ def _check_dry_run(name: str, model: StagedModel, num_classes: int, options: dic
     reason = _dry_run_problem(model)
     if reason is not None:
         raise _input_error(name, model.input_shape, num_classes, dtype, dataset, reason)
+    _CHECKED.add(key)
+
+
+def _check_custom(input_shape: Sequence[int], num_classes: int, dtype: torch.dtype | None, dataset: str | None,
+                  stages_for: str | None, options: dict[str, Any]) -> None:
+    """``model=custom``: its arguments, one dry forward pass, and stages when an algorithm needs them."""
+    ref = target_name(split_options(options)[0])
+    shape = tuple(int(s) for s in input_shape)
+    key = (CUSTOM, shape, num_classes, str(dtype), stages_for, repr(sorted(options.items())))
+    if key in _CHECKED:
+        return
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(CUSTOM, shape, num_classes, **options)
+    kind = "" if dtype is None else ("token-id " if _is_tokens(dtype) else "float ")
+    where = f"{kind}samples of shape {'x'.join(map(str, shape)) or 'scalar'}"
+    if dataset:
+        where = f"dataset={dataset}, which gives {where}"
+    reason = dry_run_problem(model, shape, num_classes, dtype)
+    if reason is not None:
+        raise ModelInputError(f"model._target_={ref} cannot train on {where}: {reason}")
+    if stages_for is not None and not isinstance(model, StagedModel):
+        raise ModelInputError(
+            f"algorithm={stages_for} cuts the model into stages, but model._target_={ref} builds a "
+            f"{type(model).__name__}, which has none: subclass fl_platform.models.StagedModel (named stages, "
+            "the last an nn.Linear named 'head'), or return an nn.Sequential ending in an nn.Linear")
     _CHECKED.add(key)
 
 

@@ -1,7 +1,10 @@
 """Everything a worker needs to train clients, in one picklable value.
 
 The engine ships it once per worker (for Ray through the object store), so the dataset tensors
-travel once per run, never per round.
+travel once per run, never per round. It may hold the user's code (a plug-in algorithm's spec and
+conf, a custom model's class): unpickling it first puts the folders that code was imported from on
+the receiver's ``sys.path`` (``import_roots``, fl_platform/plugins.py), so a Ray worker imports
+the plug-in as the driver did.
 """
 
 from __future__ import annotations
@@ -10,11 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from fl_platform.algorithms.base import AlgorithmConf, Setup
+from fl_platform.algorithms.base import AlgorithmConf, AlgorithmSpec, Setup
 from fl_platform.datasets.federated import FederatedDataset
 from torch import nn
 
 from fl_platform.models import build_model
+from fl_platform.plugins import ImportRoots
 from fl_platform.training.loop import TrainConfig
 
 
@@ -30,7 +34,8 @@ def resolve_device(device: str) -> torch.device:
 
 @dataclass(frozen=True)
 class ModelFactory:
-    """Builds the experiment's model by name (picklable, unlike a closure)."""
+    """Builds the experiment's model by name (picklable, unlike a closure); ``custom``: ``options``
+    hold the user's class or function itself as ``_target_`` (resolved once, on the driver)."""
 
     name: str
     input_shape: tuple[int, ...]
@@ -45,7 +50,7 @@ class ModelFactory:
 class ExperimentSetup:
     dataset: FederatedDataset
     model: ModelFactory
-    algorithm: str
+    algorithm: str | AlgorithmSpec  # a built-in's name, or the resolved spec (what make_setup gives)
     algorithm_conf: AlgorithmConf
     train: TrainConfig
     seed: int
@@ -59,9 +64,21 @@ class ExperimentSetup:
     compressor: dict[str, Any] | None = None  # the compressor group (None / name none: uplinks dense)
     system: Any = None  # fl_platform.system.SystemModel, or None: no simulated time
     privacy: Any = None  # fl_platform.privacy.config.PrivacyConf (None / name none: no clipping or noise)
+    import_roots: tuple[str, ...] = ()  # where the user's code in this setup was imported from (plugins.py)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # ImportRoots first: unpickling it extends sys.path before the fields (the user's classes) load.
+        return _restore, (ImportRoots(self.import_roots), dict(self.__dict__))
 
     def algorithm_setup(self, num_params: int, num_buffers: int) -> Setup:
         return Setup(model_fn=self.model, num_params=num_params, num_buffers=num_buffers,
                      num_classes=self.dataset.num_classes, input_shape=tuple(self.dataset.input_shape),
                      num_clients=self.dataset.num_clients, seed=self.seed, train=self.train,
                      extra={**self.extra, **({"system": self.system} if self.system is not None else {})})
+
+
+def _restore(roots: ImportRoots, fields: dict[str, Any]) -> ExperimentSetup:
+    del roots  # it did its work when it was unpickled
+    setup = ExperimentSetup.__new__(ExperimentSetup)
+    setup.__dict__.update(fields)
+    return setup

@@ -123,6 +123,9 @@ def validate(cfg: DictConfig) -> None:
     for ok, key, message in checks:
         if not ok:
             raise ValueError(f"{key} {message}")
+    from fl_platform.experiment import check_keys_and_plugins
+
+    check_keys_and_plugins(cfg)  # model=custom / dataset=custom load, with their fields checked
 
 
 def as_plain(cfg: DictConfig) -> dict[str, Any]:

@@ -1,0 +1,123 @@
+"""The user's own ``nn.Module`` as the run's model (``model=custom model._target_=mypkg.nets:WideNet``).
+
+``_target_`` is a class or a function returning an ``nn.Module``. It is called with its own
+arguments from the config section (``+model.width=64``) plus ``input_shape`` (one sample's shape,
+a tuple) and ``num_classes`` (the number of logits the run needs) when its signature takes them.
+
+Any module trains with the algorithms that treat the model as a whole (FedAvg, FedProx, SCAFFOLD,
+BAOW, the one-shot methods); its forward must return ``[batch, num_classes]`` logits and it must
+survive having its parameters re-pointed into one flat buffer (no cached parameter references, no
+weight tying; see fl_platform/models/base.py). Split algorithms (FedImpro, VHL, FuseFL) cut the
+model into stages and need a :class:`StagedModel`: subclass it, or return an ``nn.Sequential``
+ending in an ``nn.Linear``, which is turned into one (its layers the stages, the last the ``head``).
+Both are checked at start-up with one dry forward pass (:func:`check_custom`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fl_platform.models.base import StagedModel
+from fl_platform.plugins import check_arguments, describe, load, parameters
+
+CUSTOM = "custom"
+TARGET = "_target_"
+#: Arguments the platform fills when the target's signature takes them.
+FILLED = ("input_shape", "num_classes")
+
+
+class SequentialStages(StagedModel):
+    """An ``nn.Sequential`` ending in an ``nn.Linear`` as a :class:`StagedModel` (same modules, same
+    forward): a stage per layer, named as in the Sequential (``stage<i>`` for numbered layers), the
+    last one ``head``."""
+
+    def __init__(self, seq: nn.Sequential, input_shape: Sequence[int]) -> None:
+        items = list(seq.named_children())
+        stages: OrderedDict[str, nn.Module] = OrderedDict()
+        for i, (key, module) in enumerate(items):
+            name = "head" if i == len(items) - 1 else (key if key.isidentifier() and key != "head" else f"stage{key}")
+            stages[name] = module
+        super().__init__(stages, input_shape)
+        if isinstance(items[0][1], nn.Embedding):
+            self.input_dtype = torch.long
+
+
+def as_staged(model: nn.Module, input_shape: Sequence[int]) -> nn.Module:
+    """``model``, as a :class:`StagedModel` when it is an ``nn.Sequential`` ending in ``nn.Linear``."""
+    if (type(model) is nn.Sequential and len(model) > 0 and isinstance(model[-1], nn.Linear)
+            and all(k.isidentifier() or k.isdigit() for k, _ in model.named_children())):
+        return SequentialStages(model, input_shape)
+    return model
+
+
+Target = str | Callable[..., nn.Module]  # an import path, or the class/function it names (resolved)
+
+
+def split_options(options: dict[str, Any]) -> tuple[Target, dict[str, Any]]:
+    """(``_target_``, the user's arguments) of a ``model=custom`` section's options."""
+    options = dict(options)
+    ref = options.pop(TARGET, None)
+    if ref is None or (isinstance(ref, str) and ref.strip() in ("", "???")):
+        raise ValueError("model=custom needs model._target_=<module>:<class or function> returning an nn.Module")
+    return ref, options
+
+
+def target_name(target: Target) -> str:
+    """``target`` as an import path, for messages."""
+    if isinstance(target, str):
+        return target
+    return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', type(target).__name__)}"
+
+
+def builder_of(target: Target, options: dict[str, Any]) -> Callable[..., nn.Module]:
+    """The callable ``target`` names (or is), with ``options`` checked against its signature."""
+    fn = load(target, "model._target_") if isinstance(target, str) else target
+    if not callable(fn):
+        raise TypeError(f"model._target_={target} is a {type(fn).__name__}, not a class or function")
+    check_arguments(fn, options, FILLED, "model", target_name(target))
+    return fn
+
+
+def build_custom(target: Target, input_shape: Sequence[int], num_classes: int, options: dict[str, Any]) -> nn.Module:
+    """Call ``target`` with ``options`` and what it takes of ``input_shape``/``num_classes``."""
+    ref = target_name(target)
+    fn = builder_of(target, options)
+    named, _ = parameters(fn)
+    filled = {"input_shape": tuple(int(s) for s in input_shape), "num_classes": int(num_classes)}
+    model = fn(**{k: v for k, v in filled.items() if k in named}, **options)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model._target_={ref}: {describe(fn)} returned a {type(model).__name__}, not an nn.Module")
+    return as_staged(model, input_shape)
+
+
+def dry_run_problem(model: nn.Module, input_shape: tuple[int, ...], num_classes: int,
+                    dtype: torch.dtype | None) -> str | None:
+    """Why a training-mode forward pass of one zero sample fails or gives other than ``[1, num_classes]``
+    logits, or None. Restores every buffer and forks the CPU RNG (draws nothing from the run's)."""
+    ref = next(iter(model.parameters()), None)
+    dtype = dtype or getattr(model, "input_dtype", None) or (ref.dtype if ref is not None else torch.float32)
+    x = torch.zeros((1, *input_shape), dtype=dtype)
+    saved = [b.detach().clone() for b in model.buffers()]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            out = model(x)
+    except Exception as err:  # the user's forward: any error is a reason to refuse the pair
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        return f"a training forward pass of one {'x'.join(map(str, input_shape))} sample fails: {first}"
+    finally:
+        with torch.no_grad():
+            for b, s in zip(model.buffers(), saved):
+                b.copy_(s)
+    if not isinstance(out, torch.Tensor):
+        return f"its forward returns a {type(out).__name__}, not a tensor of logits"
+    if tuple(out.shape) != (1, num_classes):
+        return (f"its forward returns shape {tuple(out.shape)} for one sample; the run needs (1, {num_classes}) logits "
+                "(num_classes is passed to the constructor when it takes a num_classes argument)")
+    if not list(model.parameters()):
+        return "it has no parameters to train"
+    return None

@@ -1,0 +1,324 @@
+"""The user's own code: load objects by import path or entry point, and make them reach every process.
+
+A plug-in is named by a reference: ``package.module:attribute`` (``attribute`` may be dotted), or
+Hydra's ``package.module.attribute``. ``model._target_``, ``dataset._target_`` and
+``algorithm._target_`` hold one; an installed package declares algorithms under the entry-point
+group ``fl_platform.algorithms`` (``name = "package.module:SPEC"``), so that ``algorithm=<name>``
+works after ``pip install`` (algorithms/registry.py). The built-in algorithms are references too,
+loaded by the same :func:`load`.
+
+Objects handed to the Python API (fl_platform/api.py) that no import path reaches (defined in a
+notebook or script, lambdas, data in memory) get an ``object:`` reference that only this process
+resolves: a config naming one cannot be rerun elsewhere, and says so.
+
+Reaching other processes: Ray workers unpickle the run's setup, which holds the plug-in's classes
+by reference, so their modules must be importable there. :func:`import_roots` finds the folders a
+setup's objects were imported from (outside the installed environment and the standard library);
+:class:`ImportRoots` puts them on ``sys.path`` of the process that unpickles it, before anything
+that needs them is loaded (fl_platform/rounds/setup.py). A folder inside this checkout travels as a
+path relative to it, so it also resolves on a Ray node that received the checkout; packages
+outside it are shipped to cluster nodes by the engine's runtime environment
+(:func:`cluster_py_modules`, fl_platform/engine/ray_cluster.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import logging
+import sys
+import sysconfig
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import fl_platform
+
+log = logging.getLogger(__name__)
+
+ALGORITHM_ENTRY_POINTS = "fl_platform.algorithms"
+OBJECT_PREFIX = "object:"  # a Python object given to this process (api.py), not importable elsewhere
+REPO_PREFIX = "repo:"  # an import root relative to the checkout (fl_platform.REPO_ROOT) of the receiver
+
+
+class PluginError(ValueError):
+    """A plug-in reference that cannot be loaded, or that loads something of the wrong kind."""
+
+
+# ---------------------------------------------------------------- loading by reference
+
+_OBJECTS: dict[str, Any] = {}
+
+
+def object_ref(obj: Any) -> str:
+    """A reference to ``obj``: its import path when importing it gives back ``obj`` itself, else an
+    ``object:`` reference that :func:`load` resolves in this process only."""
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if module and qualname and module != "__main__" and "<" not in qualname:
+        try:
+            if _resolve_attr(importlib.import_module(module), qualname) is obj:
+                return f"{module}:{qualname}"
+        except (ImportError, AttributeError):
+            pass
+    name = qualname or type(obj).__name__
+    ref = f"{OBJECT_PREFIX}{name}@{id(obj):x}"
+    _OBJECTS[ref] = obj
+    return ref
+
+
+def _resolve_attr(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def load(ref: str, key: str) -> Any:
+    """The object ``ref`` names; ``key`` (e.g. ``model._target_``) names the setting in errors."""
+    if not isinstance(ref, str) or not ref.strip():
+        raise PluginError(f"{key} must be an import path such as mypkg.module:Name, got {ref!r}")
+    ref = ref.strip()
+    if ref.startswith(OBJECT_PREFIX):
+        if ref in _OBJECTS:
+            return _OBJECTS[ref]
+        raise PluginError(f"{key}={ref} names a Python object given to fl_platform.api in the process that "
+                          "wrote this config; it does not exist here. Define it in an importable module and "
+                          "give its import path (mypkg.module:Name) instead")
+    if ":" in ref:
+        module_name, _, attr = ref.partition(":")
+        module = _import(module_name, ref, key)
+    else:  # Hydra's dotted form: the longest importable module prefix, then attributes
+        parts = ref.split(".")
+        if len(parts) < 2:
+            raise PluginError(f"{key}={ref} is not an import path: write module:Name (or module.Name)")
+        for cut in range(len(parts) - 1, 0, -1):
+            name = ".".join(parts[:cut])
+            try:
+                module = importlib.import_module(name)
+            except ModuleNotFoundError as err:
+                if err.name and (name == err.name or name.startswith(err.name + ".")):
+                    continue  # not a module: try the shorter prefix
+                raise PluginError(f"{key}={ref}: importing {name} failed: {err}") from err
+            except Exception as err:
+                raise PluginError(f"{key}={ref}: importing {name} raised {type(err).__name__}: {err}") from err
+            attr = ".".join(parts[cut:])
+            break
+        else:
+            module = _import(parts[0], ref, key)  # raises, naming the missing package
+            attr = ".".join(parts[1:])
+    try:
+        obj = _resolve_attr(module, attr)
+    except AttributeError:
+        names = sorted(n for n in vars(module) if not n.startswith("_"))
+        raise PluginError(f"{key}={ref}: module {module.__name__} ({getattr(module, '__file__', '?')}) has no "
+                          f"attribute {attr!r}; it defines {', '.join(names[:20]) or 'nothing public'}") from None
+    return obj
+
+
+def _import(name: str, ref: str, key: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name is not None and name != err.name and not name.startswith(err.name + "."):
+            raise PluginError(f"{key}={ref}: importing {name} failed: {err}") from err
+        raise PluginError(f"{key}={ref}: no module named {err.name or name!r} on this Python's path "
+                          f"(sys.path); install your package (pip install -e <dir>) or add its folder to "
+                          f"PYTHONPATH") from None
+    except Exception as err:  # the user's module raised while importing
+        raise PluginError(f"{key}={ref}: importing {name} raised {type(err).__name__}: {err}") from err
+
+
+def target_of(node: Any, section: str, what: str) -> str:
+    """``<section>._target_`` of a config section, or an error saying how to set it."""
+    from omegaconf import DictConfig, OmegaConf
+
+    missing = (OmegaConf.is_missing(node, "_target_") if isinstance(node, DictConfig)
+               else getattr(node, "_target_", None) is None)
+    target = None if missing else getattr(node, "_target_", None)
+    if not target:
+        raise PluginError(f"{section}={getattr(node, 'name', '?')} needs {section}._target_=<module>:<{what}> "
+                          "(an import path of your own code)")
+    return str(target)
+
+
+# ---------------------------------------------------------------- signatures
+
+def parameters(fn: Callable[..., Any]) -> tuple[dict[str, inspect.Parameter], bool]:
+    """``fn``'s named parameters (a class: its constructor's) and whether it takes ``**kwargs``."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return {}, True  # no signature to check against (a builtin): accept, the call will tell
+    named = {n: p for n, p in sig.parameters.items()
+             if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)}
+    return named, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+
+
+def describe(fn: Callable[..., Any]) -> str:
+    """``module:Name(a, b=1, ...)`` for messages (parameters without their annotations)."""
+    name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return name
+    shown = [str(p.replace(annotation=inspect.Parameter.empty)) for p in params]
+    return f"{name}({', '.join(shown)})"
+
+
+def check_arguments(fn: Callable[..., Any], given: Iterable[str], filled: Iterable[str], section: str,
+                    ref: str) -> None:
+    """Refuse, naming them, the fields of config section ``section`` that ``fn`` has no parameter for,
+    and the parameters without a default that neither the config nor the platform (``filled``) gives."""
+    named, var_kw = parameters(fn)
+    given, filled = set(given), set(filled)
+    unknown = sorted(given - set(named)) if not var_kw else []
+    options = sorted(n for n in named if n not in filled)
+    if unknown:
+        raise PluginError(f"{', '.join(f'{section}.{k}' for k in unknown)}: not a parameter of {describe(fn)} "
+                          f"({section}._target_={ref}); its parameters: {', '.join(options) or 'none'}")
+    missing = sorted(n for n, p in named.items()
+                     if p.default is inspect.Parameter.empty and n not in given and n not in filled
+                     and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+    if missing:
+        raise PluginError(f"{describe(fn)} ({section}._target_={ref}) needs "
+                          f"{', '.join(f'+{section}.{k}=<value>' for k in missing)}")
+
+
+# ---------------------------------------------------------------- entry points
+
+def entry_points(group: str) -> dict[str, importlib.metadata.EntryPoint]:
+    """The entry points of ``group`` in the installed distributions (first one wins per name)."""
+    out: dict[str, importlib.metadata.EntryPoint] = {}
+    for ep in importlib.metadata.entry_points(group=group):
+        if ep.name in out and out[ep.name].value != ep.value:
+            log.warning("entry point %s=%s of group %s ignored: %s=%s came first", ep.name, ep.value, group,
+                        ep.name, out[ep.name].value)
+            continue
+        out.setdefault(ep.name, ep)
+    return out
+
+
+# ---------------------------------------------------------------- reaching other processes
+
+def _installed_dirs() -> list[Path]:
+    keys = ("stdlib", "platstdlib", "purelib", "platlib")
+    dirs = {Path(p).resolve() for k in keys if (p := sysconfig.get_paths().get(k))}
+    dirs.update(Path(p).resolve() for p in sys.path if p and Path(p).name in ("site-packages", "dist-packages"))
+    return sorted(dirs)
+
+
+def _module_of(obj: Any) -> str | None:
+    """The module that defines ``obj`` (a class or function), or ``obj``'s class."""
+    if inspect.isclass(obj) or inspect.isfunction(obj) or inspect.ismethod(obj):
+        return obj.__module__
+    return type(obj).__module__
+
+
+def module_root(module_name: str) -> Path | None:
+    """The ``sys.path`` folder that module ``module_name``'s top-level package was imported from,
+    or None when the module comes with the environment (installed, standard library), is
+    fl_platform's own, is ``__main__`` (pickled by value) or has no file."""
+    top = module_name.partition(".")[0]
+    if top in ("__main__", "fl_platform") or top in sys.builtin_module_names:
+        return None
+    module = sys.modules.get(top)
+    file = getattr(module, "__file__", None)
+    if file is not None:
+        path = Path(file).resolve()
+        root = path.parent.parent if path.name == "__init__.py" else path.parent
+    else:
+        paths = list(getattr(module, "__path__", None) or [])  # a namespace package
+        if not paths:
+            return None
+        root = Path(paths[0]).resolve().parent
+    if any(root == d or d in root.parents for d in _installed_dirs()):
+        return None
+    return root
+
+
+def import_roots(objects: Iterable[Any]) -> tuple[str, ...]:
+    """The import roots of ``objects``' modules (see :func:`module_root`), as portable strings:
+    ``repo:<relative path>`` inside this checkout, else absolute."""
+    repo = Path(fl_platform.REPO_ROOT).resolve()
+    out: list[str] = []
+    for obj in objects:
+        name = _module_of(obj)
+        root = module_root(name) if name else None
+        if root is None:
+            continue
+        text = f"{REPO_PREFIX}{root.relative_to(repo).as_posix()}" if root == repo or repo in root.parents else str(root)
+        if text not in out:
+            out.append(text)
+    return tuple(out)
+
+
+def add_import_roots(roots: Iterable[str]) -> None:
+    """Append each root that exists here to ``sys.path`` (``repo:`` roots resolve against this
+    process's checkout); a root missing here is left to the runtime environment (cluster nodes)."""
+    for root in roots:
+        path = Path(fl_platform.REPO_ROOT) / root[len(REPO_PREFIX):] if root.startswith(REPO_PREFIX) else Path(root)
+        text = str(path)
+        if path.is_dir() and text not in sys.path:
+            sys.path.append(text)
+            importlib.invalidate_caches()
+
+
+class ImportRoots:
+    """Import roots that travel in a pickle: unpickling puts them on ``sys.path`` at once, so that
+    objects pickled after it in the same stream (the user's classes) import in that process."""
+
+    __slots__ = ("roots",)
+
+    def __init__(self, roots: Iterable[str] = ()) -> None:
+        self.roots = tuple(roots)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _unpickled_roots, (self.roots,)
+
+    def __repr__(self) -> str:
+        return f"ImportRoots({self.roots!r})"
+
+
+def _unpickled_roots(roots: tuple[str, ...]) -> ImportRoots:
+    add_import_roots(roots)
+    return ImportRoots(roots)
+
+
+def cluster_py_modules(objects: Iterable[Any]) -> list[str]:
+    """Folders to ship to Ray cluster nodes (runtime_env ``py_modules``) for plug-ins imported from
+    outside this checkout and outside the environment: each one's top-level package folder.
+
+    A top-level single-file module cannot travel as a ``py_modules`` entry (Ray ships folders as
+    packages): that is an error naming it and the ways out."""
+    repo = Path(fl_platform.REPO_ROOT).resolve()
+    out: list[str] = []
+    for obj in objects:
+        name = _module_of(obj)
+        root = module_root(name) if name else None
+        if root is None or root == repo or repo in root.parents:
+            continue
+        top = name.partition(".")[0]
+        folder = root / top
+        if not folder.is_dir():
+            raise PluginError(f"plug-in module {top} ({root / (top + '.py')}) is a single file outside this "
+                              "checkout, which Ray cannot ship to cluster nodes: put it in a package (a folder "
+                              "with __init__.py), install it on every node, or give engine.runtime_env")
+        if str(folder) not in out:
+            out.append(str(folder))
+    return out
+
+
+# Plug-in objects of the runs started in this process (for shipping code to cluster nodes).
+_IN_USE: list[Any] = []
+
+
+def note_in_use(objects: Iterable[Any]) -> None:
+    """Remember plug-in objects a run uses (their packages are shipped when joining a Ray cluster)."""
+    for obj in objects:
+        if _module_of(obj) and not any(o is obj for o in _IN_USE):
+            _IN_USE.append(obj)
+
+
+def in_use() -> list[Any]:
+    return list(_IN_USE)
