@@ -1,8 +1,8 @@
 """Helpers for the Flower tests: an in-process Grid, and real SuperLink/SuperNode processes.
 
-``LocalGrid`` delivers each message straight to our ClientApp in this process (one Context per
-node, kept across rounds as a SuperNode keeps it), so the whole server/client path runs in
-milliseconds. ``Federation`` starts a real ``flower-superlink`` and ``flower-supernode``s on
+``LocalGrid`` (now fl_platform/flower/local.py) delivers each message straight to our ClientApp
+in this process (one Context per node, kept across rounds as a SuperNode keeps it), so the whole
+server/client path runs in milliseconds. ``Federation`` starts a real ``flower-superlink`` and ``flower-supernode``s on
 loopback (free ports, ``FLWR_HOME`` in a temporary directory, optional TLS and SuperNode
 authentication), runs ``flwr`` commands against it, and stops every process it started by PID.
 """
@@ -18,98 +18,13 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from flwr.app import Context, Error, Message, Metadata, RecordDict
-from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
+from fl_platform.flower.local import LocalGrid  # noqa: F401  (re-exported: the tests' in-process grid)
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-
-
-# ---------------------------------------------------------------- in-process grid
-
-
-class LocalGrid(Grid):
-    """A Grid whose nodes run ``client_app`` in this process, synchronously at push time.
-
-    ``down`` holds node ids that never answer (a node that died unnoticed), ``unavailable`` node
-    ids for which the SuperLink answers itself with "node unavailable" (a node known to be
-    offline); ``tamper(reply)`` may rewrite a reply before the server pulls it (to test rejection).
-    """
-
-    def __init__(self, client_app: Any, node_configs: Iterable[Mapping[str, Any]], run_config: Mapping[str, Any],
-                 run_id: int = 1, first_node_id: int = 1000) -> None:
-        TaskIdentity.run_id = run_id
-        TaskIdentity.node_id = 1  # the SuperLink's node id
-        TaskIdentity.task_id = 1
-        self.app = client_app
-        self.contexts = {
-            first_node_id + i: Context(run_id=run_id, node_id=first_node_id + i, node_config=dict(nc),
-                                       state=RecordDict(), run_config=dict(run_config))
-            for i, nc in enumerate(node_configs)
-        }
-        self.down: set[int] = set()
-        self.unavailable: set[int] = set()
-        self.tamper: Callable[[Message], Message | None] | None = None
-        self._replies: dict[str, Message] = {}
-        self.pushed: list[Message] = []
-
-    def set_run(self, run: Any) -> None:  # pragma: no cover - not used by our ServerApp
-        self._run = run
-
-    @property
-    def run(self) -> Any:  # pragma: no cover
-        return self._run
-
-    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
-                       ttl: float | None = None) -> Message:  # pragma: no cover
-        return Message(content, dst_node_id=dst_node_id, message_type=message_type, ttl=ttl, group_id=group_id)
-
-    def get_node_ids(self) -> list[int]:
-        return sorted(self.contexts)
-
-    def get_nodes(self) -> list[Any]:  # pragma: no cover
-        return []
-
-    def push_messages(self, messages: Iterable[Message]) -> list[str]:
-        ids = []
-        for msg in messages:
-            mid = uuid.uuid4().hex
-            msg.metadata.__dict__["_message_id"] = mid
-            self.pushed.append(msg)
-            ids.append(mid)
-            nid = msg.metadata.dst_node_id
-            if nid in self.down:
-                continue
-            if nid in self.unavailable:  # as the SuperLink makes it: from the SuperLink itself
-                md = msg.metadata
-                self._replies[mid] = Message(
-                    Error(code=5, reason="Error: Node Unavailable"),
-                    metadata=Metadata(run_id=md.run_id, message_id="", src_node_id=1, dst_node_id=1,
-                                      reply_to_message_id=mid, group_id=md.group_id, created_at=time.time(),
-                                      ttl=md.ttl, message_type=md.message_type))
-                continue
-            try:
-                reply = self.app(msg, self.contexts[nid])
-            except Exception as err:  # what a SuperNode sends back when the ClientApp raises
-                reply = Message(Error(code=2, reason=f"{type(err)}:<'{err}'>"), reply_to=msg)
-            if self.tamper is not None:
-                reply = self.tamper(reply)
-            if reply is not None:
-                self._replies[mid] = reply
-        return ids
-
-    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
-        return [self._replies.pop(mid) for mid in list(message_ids) if mid in self._replies]
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
-        return self.pull_messages(self.push_messages(messages))
 
 
 # ---------------------------------------------------------------- processes
