@@ -1,7 +1,9 @@
 """Command line: ``python -m fl_platform.run key=value ...`` (or the ``fl-run`` console script).
 
 One experiment per call; ``-m`` runs a Hydra sweep, one run directory per job. The last line
-printed is ``run_dir: <path>``; a failed run exits non-zero with the reason on stderr.
+printed is ``run_dir: <path>``; a failed run exits non-zero with the reason on stderr. Hydra
+composes the config and picks the run directory; the run itself is ``fl_platform.api.run_config``,
+what ``fl_platform.api.run`` calls from Python.
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ def _fail(err: BaseException) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    from fl_platform.experiment import run_experiment
+    from fl_platform.api import run_config
 
     run_dir = HydraConfig.get().runtime.output_dir
     try:
-        summary = run_experiment(cfg, run_dir)
+        summary = run_config(cfg, run_dir).summary
     except (ValueError, TypeError, KeyError, FileNotFoundError, RuntimeError, FloatingPointError) as err:
         _fail(err)
         return None

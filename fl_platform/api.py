@@ -1,0 +1,221 @@
+"""Run experiments from Python (notebooks, scripts): the same code path as the command line.
+
+With overrides, exactly what ``python -m fl_platform.run <overrides>`` runs::
+
+    from fl_platform import api
+    result = api.run(["algorithm=fedprox", "rounds=20", "num_clients=20", "clients_per_round=5"])
+    result.summary["final_test_accuracy"], result.history[-1]
+
+With the user's objects instead of names (any of them; the rest comes from the overrides)::
+
+    result = api.run(["rounds=20"], model=make_net,                  # an nn.Module class or factory
+                     data=(train_x, train_y, test_x, test_y),         # arrays/tensors, Datasets, or a SourceData
+                     partition="dirichlet",                           # a partitioner, or one index list per client
+                     algorithm=my_algorithm.SPEC)                     # an AlgorithmSpec (or a name)
+
+Objects become config entries (``model=custom model._target_=...``, ``dataset=custom ...``, the
+spec registered as ``algorithm=<its name>``), so they are validated like any config and recorded
+in config.yaml: an object with an import path is recorded by it; one defined in a notebook gets a
+reference that only this process resolves (fl_platform/plugins.py). Everything runs on every
+engine (``engine=ray`` pickles such objects to the workers by value).
+
+The CLI (fl_platform/run.py) is this module's :func:`run_config` behind Hydra's command line.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig
+
+from fl_platform.algorithms.base import AlgorithmSpec
+from fl_platform.datasets.source import SourceData
+
+__all__ = ["Result", "compose", "overrides_for", "run", "run_config", "source_from"]
+
+
+@dataclass
+class Result:
+    """What a run gives back: the summary (as summary.json), one metrics row per round (as
+    metrics.jsonl), the composed config, and the run directory (None when nothing was written)."""
+
+    summary: dict[str, Any]
+    history: list[dict[str, Any]]
+    config: DictConfig
+    run_dir: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def metric(self, name: str) -> list[tuple[int, float]]:
+        """(round, value) for every round whose row has ``name`` (e.g. ``test_accuracy``)."""
+        return [(row["round"], row[name]) for row in self.history if name in row]
+
+
+def compose(overrides: Sequence[str] = (), **objects: Any) -> DictConfig:
+    """The config :func:`run` would run for these overrides and objects (see :func:`overrides_for`)."""
+    from fl_platform.config import compose as compose_config
+
+    return compose_config([*overrides, *overrides_for(**objects)])
+
+
+def run(overrides: Sequence[str] = (), *, model: Any = None, data: Any = None, partition: Any = None,
+        algorithm: Any = None, run_dir: str | os.PathLike[str] | None = None) -> Result:
+    """Compose the config from ``overrides`` and the objects, run it, return a :class:`Result`.
+
+    ``run_dir``: where config.yaml, metrics.jsonl, summary.json, model.pt and checkpoints go (as the
+    CLI's run directory); None writes nothing.
+    """
+    cfg = compose(overrides, model=model, data=data, partition=partition, algorithm=algorithm)
+    return run_config(cfg, run_dir)
+
+
+def run_config(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Result:
+    """Run a composed config (what the CLI calls after Hydra composed it)."""
+    from fl_platform.experiment import execute
+
+    outcome = execute(cfg, run_dir)
+    return Result(outcome.summary, outcome.history, cfg, Path(run_dir) if run_dir is not None else None)
+
+
+# ---------------------------------------------------------------- objects -> overrides
+
+
+def overrides_for(model: Any = None, data: Any = None, partition: Any = None, algorithm: Any = None) -> list[str]:
+    """The Hydra overrides that make the run use these objects.
+
+    * ``model``: an ``nn.Module`` subclass or a function returning a module, called with
+      ``input_shape``/``num_classes`` when it takes them (fl_platform/models/custom.py); or a name.
+    * ``data``: a ``SourceData``; ``(train_x, train_y, test_x, test_y)`` arrays or tensors; or
+      ``(train, test)`` torch Datasets of ``(x, y)`` pairs (read once, into tensors); or a name.
+    * ``partition``: a partitioner's name (``dirichlet``, ...), or one sequence of training-sample
+      indices per client (each sample in at most one client; num_clients becomes their number).
+    * ``algorithm``: an ``AlgorithmSpec`` (registered under its name in this process), or a name.
+    """
+    from fl_platform.algorithms.registry import register_algorithm
+    from fl_platform.plugins import object_ref
+
+    out: list[str] = []
+    if isinstance(model, str):
+        out.append(f"model={model}")
+    elif model is not None:
+        from torch import nn
+
+        if not callable(model) or isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module class, a function returning one, or a model name; "
+                            f"got a {type(model).__name__} (pass the class or a factory, not an instance: "
+                            "every client and worker builds its own)")
+        out += ["model=custom", f"model._target_={_quote(object_ref(model))}"]
+    groups: list[np.ndarray] | None = None
+    if isinstance(partition, str):
+        out.append(f"partition={partition}")
+    elif partition is not None:
+        groups = [np.asarray(ix, dtype=np.int64).reshape(-1) for ix in partition]
+        out += ["partition=natural", f"num_clients={len(groups)}"]
+    if isinstance(data, str):
+        if groups is not None:
+            raise ValueError("partition as index lists needs data as objects (the samples they index), not a name")
+        out.append(f"dataset={data}")
+    elif data is not None:
+        source = source_from(data)
+        if groups is not None:
+            source = _with_clients(source, groups)
+        out += ["dataset=custom", f"dataset._target_={_quote(object_ref(_Given(source)))}"]
+    elif groups is not None:
+        raise ValueError("partition as index lists needs data= (the samples they index)")
+    if isinstance(algorithm, AlgorithmSpec):
+        out.append(f"algorithm={register_algorithm(algorithm)}")
+    elif isinstance(algorithm, str):
+        out.append(f"algorithm={algorithm}")
+    elif algorithm is not None:
+        raise TypeError(f"algorithm must be an AlgorithmSpec or a name, got a {type(algorithm).__name__}")
+    return out
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+@dataclass(frozen=True)
+class _Given:
+    """A loader (``dataset._target_``) that returns data given as an object."""
+
+    source: SourceData
+
+    def __call__(self) -> SourceData:
+        return self.source
+
+
+def _array(value: Any, what: str) -> np.ndarray:
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().cpu().numpy()
+    try:
+        return np.asarray(value)
+    except Exception as err:
+        raise TypeError(f"data: {what} is not an array or tensor ({type(value).__name__})") from err
+
+
+def source_from(data: Any, name: str = "python") -> SourceData:
+    """``data`` (see :func:`overrides_for`) as the platform's source form."""
+    if isinstance(data, SourceData):
+        return data
+    if isinstance(data, tuple | list) and len(data) == 2 and all(_is_dataset(d) for d in data):
+        (train_x, train_y), (test_x, test_y) = (_read_dataset(d, w) for d, w in zip(data, ("train", "test")))
+    elif isinstance(data, tuple | list) and len(data) == 4:
+        train_x, train_y, test_x, test_y = (_array(v, w) for v, w in zip(data, ("train_x", "train_y", "test_x",
+                                                                                 "test_y")))
+    else:
+        raise TypeError("data must be a SourceData, (train_x, train_y, test_x, test_y) arrays or tensors, or "
+                        f"(train, test) torch Datasets; got {type(data).__name__}")
+    for what, y in (("train_y", train_y), ("test_y", test_y)):
+        if y.ndim != 1 or not (np.issubdtype(y.dtype, np.integer) or y.dtype == bool):
+            raise TypeError(f"data: {what} must be a 1-d array of integer class ids, got dtype {y.dtype} "
+                            f"shape {y.shape}")
+    if len(train_y) == 0:
+        raise ValueError("data: the training set is empty")
+    if train_y.min() < 0 or (len(test_y) and test_y.min() < 0):
+        raise ValueError("data: class ids must be >= 0")
+    num_classes = int(max(train_y.max(), test_y.max() if len(test_y) else 0)) + 1
+    features = (lambda a: a.astype(np.float32, copy=False)) if np.issubdtype(train_x.dtype, np.floating) \
+        else (lambda a: a.astype(np.int64, copy=False))  # integer features: token ids
+    return SourceData(features(train_x), train_y.astype(np.int64), features(test_x), test_y.astype(np.int64),
+                      num_classes=num_classes, input_shape=tuple(train_x.shape[1:]), name=name)
+
+
+def _is_dataset(obj: Any) -> bool:
+    return hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not isinstance(obj, np.ndarray) \
+        and not hasattr(obj, "detach")
+
+
+def _read_dataset(ds: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Every ``(x, y)`` pair of a map-style Dataset, stacked (x: float32 or integer tokens, y: int64)."""
+    xs, ys = [], []
+    for i in range(len(ds)):
+        item = ds[i]
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise TypeError(f"data: {what} dataset item {i} is not an (x, y) pair: {type(item).__name__}")
+        xs.append(_array(item[0], f"{what}[{i}][0]"))
+        ys.append(int(_array(item[1], f"{what}[{i}][1]")))
+    if not xs:
+        return np.zeros((0,), np.float32), np.zeros((0,), np.int64)
+    return np.stack(xs), np.asarray(ys, dtype=np.int64)
+
+
+def _with_clients(source: SourceData, groups: list[np.ndarray]) -> SourceData:
+    """``source`` keeping the training samples the clients hold, each tagged with its client (a natural
+    group), in client order, so ``partition=natural`` gives exactly these clients."""
+    from dataclasses import replace
+
+    order = np.concatenate(groups) if groups else np.zeros(0, np.int64)
+    if len(order) and (order.min() < 0 or order.max() >= source.num_train):
+        raise ValueError(f"partition: indices must be in 0..{source.num_train - 1}")
+    if len(np.unique(order)) != len(order):
+        raise ValueError("partition: a training sample is in two clients (or twice in one)")
+    if any(len(g) == 0 for g in groups):
+        raise ValueError(f"partition: client {next(i for i, g in enumerate(groups) if len(g) == 0)} has no samples")
+    owner = np.repeat(np.arange(len(groups), dtype=np.int64), [len(g) for g in groups])
+    return replace(source, train_x=source.train_x[order], train_y=source.train_y[order], train_groups=owner,
+                   test_groups=None, group_names=[str(i) for i in range(len(groups))])
