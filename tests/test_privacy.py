@@ -287,10 +287,10 @@ def test_logged_epsilon_equals_dp_accounting_directly():
 def test_target_epsilon_stops_before_the_round_that_would_exceed_it():
     acc = Accountant("central", "rdp", 0.8, 1e-3, 20, 8, "fixed", seed=3)
     target = (acc.epsilon(4) + acc.epsilon(5)) / 2  # 4 rounds fit, the 5th would exceed it
-    _, rows, summary, _ = run(*DP, "rounds=9", f"privacy.target_epsilon={target}")
+    _, rows, summary, _ = run(*DP, "rounds=9", "eval_every=3", f"privacy.target_epsilon={target}")
     assert [row["round"] for row in rows] == [1, 2, 3, 4]
     assert rows[-1]["dp_epsilon"] <= target < acc.epsilon(5)
-    assert "test_accuracy" in rows[-1]  # the last round run is evaluated
+    assert ["test_accuracy" in row for row in rows] == [False, False, True, True]  # the last round run: evaluated
     assert summary["rounds"] == 4 and "round 5 would raise epsilon" in summary["stop_reason"]
 
 

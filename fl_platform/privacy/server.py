@@ -130,14 +130,16 @@ class ServerPrivacy:
             row["dp_max_participations"] = float(self.accountant.participations(rounds_done))
         return row
 
+    def exceeds_target(self, next_round: int) -> bool:
+        """Whether round ``next_round`` (0-based) would take epsilon above ``target_epsilon``."""
+        target = self.conf.target_epsilon
+        return target is not None and self.accountant.epsilon(next_round + 1) > target
+
     def should_stop(self, next_round: int) -> str | None:
         """Why round ``next_round`` (0-based) must not run: its epsilon would exceed the target."""
-        target = self.conf.target_epsilon
-        if target is None:
+        if not self.exceeds_target(next_round):
             return None
-        eps = self.accountant.epsilon(next_round + 1)
-        if eps <= target:
-            return None
+        target, eps = self.conf.target_epsilon, self.accountant.epsilon(next_round + 1)
         self.stop_reason = (f"target epsilon {target:g} reached: round {next_round + 1} would raise epsilon to "
                             f"{eps:.4g} at delta {self.conf.delta:g}, so the run ends after round {next_round} "
                             f"(epsilon {self.accountant.epsilon(next_round):.4g})")

@@ -140,7 +140,8 @@ class Simulation:
         if self.system is not None:  # the straggler's download + compute + upload of its real payload
             row.update(self.system.round_metrics(r, {c: {**s, "bytes_down": broadcast.nbytes()}
                                                      for res in results for c, s in res.client_stats.items()}))
-        if (r + 1) % self.loop.eval_every == 0 or r + 1 == self.loop.rounds:
+        last = r + 1 == self.loop.rounds or (self.privacy is not None and self.privacy.exceeds_target(r + 1))
+        if (r + 1) % self.loop.eval_every == 0 or last:  # (the last round the privacy budget allows, too)
             t1 = time.perf_counter()
             row.update(self.evaluate())
             row["eval_time_s"] = time.perf_counter() - t1
