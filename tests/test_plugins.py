@@ -204,6 +204,19 @@ def test_a_key_added_with_plus_that_no_schema_declares_is_refused(extra):
         build(compose_config(*SMALL, *extra))
 
 
+def test_hydra_dotted_targets_load_like_colon_ones():
+    from plugin_pkg.alg import SPEC
+    from plugin_pkg.nets import TinyNet
+
+    assert plugins.load("plugin_pkg.nets.TinyNet", "model._target_") is TinyNet
+    assert plugins.load("plugin_pkg.alg:SPEC", "algorithm._target_") is SPEC
+    cfg = compose_config(*SMALL, *DATA, "model=custom", "model._target_=plugin_pkg.nets.TinyNet",
+                         "algorithm=plugin", "algorithm._target_=plugin_pkg.alg.SPEC")
+    exp = build(cfg)
+    exp.engine.close()
+    assert isinstance(exp.simulation.eval_model.model, TinyNet) and exp.setup.algorithm is SPEC
+
+
 def test_a_missing_target_says_how_to_set_it():
     with pytest.raises(ConfigError, match=r"model=custom needs model\._target_="):
         build(compose_config(*SMALL, "model=custom"))
