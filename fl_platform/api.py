@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,6 @@ class Result:
     history: list[dict[str, Any]]
     config: DictConfig
     run_dir: Path | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def metric(self, name: str) -> list[tuple[int, float]]:
         """(round, value) for every round whose row has ``name`` (e.g. ``test_accuracy``)."""
