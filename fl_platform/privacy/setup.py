@@ -28,12 +28,13 @@ def private_uploads_of(spec: Any, alg_conf: Any, mode: str = "central") -> Priva
 
 def check_privacy(cfg: Any, spec: Any, alg_conf: Any) -> PrivacyConf:
     """The run's PrivacyConf, or ValueError naming the key (``privacy.*`` or ``algorithm``)."""
-    from fl_platform.privacy.accounting import check_covered
-
     conf = privacy_conf(cfg.get("privacy"))
     check_values(conf, int(cfg.num_clients), int(cfg.clients_per_round))
     if conf.name == "none":
         return conf
+    # dp-accounting imports SciPy (about 1 s and 60 MB): only for runs with privacy.
+    from fl_platform.privacy.accounting import check_covered
+
     private_uploads_of(spec, alg_conf, conf.name)
     check_covered(conf.name, conf.accountant, conf.sampling, int(cfg.num_clients), int(cfg.clients_per_round))
     return conf
