@@ -79,11 +79,13 @@ class RayWorker(Worker):
         for cid, state in result.outbox.items():
             parts[home_worker(cid, homes)][cid] = state
         result.outbox = {}
-        return tuple(Packed(x) for x in (result, aggregate, *parts))
+        return (Packed(result), Packed(aggregate, views=True), *(Packed(part) for part in parts))
 
-    def merge(self, own: Aggregate, other: Aggregate) -> Packed:
-        """``own + other`` (float64): one step of the reduction tree among the workers."""
-        return Packed(own.merge(other))
+    def merge(self, own: Aggregate, other: Aggregate, last: bool) -> Packed:
+        """``own + other`` into a new float64 aggregate: one step of the reduction tree among the
+        workers (both arrive as read-only views of the object store; ``last``: the sum goes to the
+        driver, which gets writable tensors)."""
+        return Packed(Aggregate().merge(own).merge(other), views=not last)
 
     def export_states_packed(self, client_ids: list[int]) -> Packed:
         return Packed(self.export_states(client_ids))

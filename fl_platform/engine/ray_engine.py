@@ -231,10 +231,14 @@ class RayEngine(Engine):
         partials: list[Any] = [None] * self.num_workers  # references to the workers' partial aggregates
         todo = list(range(self.num_workers))
         for attempt in range(self.max_restarts + 1):
-            failed = self._submit_and_gather(ctx, bc_ref, plan.assignment, expect, lending, todo, results, partials)
+            refs = self._submit(ctx, bc_ref, plan.assignment, expect, lending, todo, partials)
+            # Submitted now, the tree's steps run as soon as their two partials exist: most of the
+            # reduction overlaps with the slowest workers' training.
+            tree = self._reduction_tree(partials)
+            failed = self._collect(refs, results)
             if not failed:
                 t_reduce = time.perf_counter()
-                total = self._reduce(partials)
+                total = self._fetch_sum(tree, single=self.num_workers == 1)
                 if total is not None:
                     break
                 failed = set(range(self.num_workers))  # a partial died with its node: the round again
@@ -254,29 +258,34 @@ class RayEngine(Engine):
         self._stats["sched_driver_in_bytes"] = received_bytes() - inbound  # tensors the driver received
         return done
 
-    def _reduce(self, partials: list[Any]) -> Aggregate | None:
+    def _reduction_tree(self, partials: list[Any]) -> Any:
         """The sum of the workers' partial aggregates, reduced among the workers in a fixed binary tree
         ((0 + 1) + (2 + 3)) + ..., each step on the lower worker, which fetches its partner's partial
-        through the object store: the driver receives one float64 aggregate, whatever W. None when a
-        partial was lost (its worker's node died)."""
+        through the object store (so the driver receives one float64 aggregate, whatever W); returns
+        the reference to the sum."""
         refs = list(partials)
         step = 1
         while step < len(refs):
             for a in range(0, len(refs) - step, 2 * step):
-                refs[a] = self.pool[a].merge.remote(refs[a], refs[a + step])
+                refs[a] = self.pool[a].merge.remote(refs[a], refs[a + step], last=2 * step >= len(refs))
             step *= 2
+        return refs[0]
+
+    def _fetch_sum(self, ref: Any, single: bool) -> Aggregate | None:
+        """The reduced aggregate, or None when a partial was lost (its worker's node died)."""
         try:
-            return self._ray.get(refs[0])
+            total = self._ray.get(ref)
         except Exception as err:  # sorted out by _dead_or_raise
             self._dead_or_raise(err)
             return None
+        # One worker: its partial arrives as a read-only view; the server may update it in place.
+        return Aggregate().merge(total) if single else total
 
-    def _submit_and_gather(self, ctx: RoundContext, bc_ref: Any, assignment: list[list[int]],
-                           expect: list[dict[int, int] | None], lending: Lending | None, todo: list[int],
-                           results: list, partials: list) -> set[int]:
-        """Run ``todo`` workers' shares: their results into ``results`` (without partial aggregates: those
-        stay in the object store, ``partials`` holds the references); returns the ids of workers whose
-        actor (or a home it needed) died."""
+    def _submit(self, ctx: RoundContext, bc_ref: Any, assignment: list[list[int]],
+                expect: list[dict[int, int] | None], lending: Lending | None, todo: list[int],
+                partials: list) -> dict[int, Any]:
+        """Start ``todo`` workers' shares; returns the references to their results (without partial
+        aggregates: those stay in the object store, ``partials`` receives their references)."""
         refs: dict[int, Any] = {}
         # Every export is queued before any round task, so no actor's round waits on another's.
         lent = {w: lending.exports(self.pool, w) for w in todo} if lending is not None else {}
@@ -286,10 +295,14 @@ class RayEngine(Engine):
             else:
                 refs[w], partials[w] = self.pool[w].run_round_parts.options(num_returns=2).remote(
                     ctx, bc_ref, assignment[w], expect=expect[w])
+        return refs
+
+    def _collect(self, refs: dict[int, Any], results: list) -> set[int]:
+        """The results into ``results``; returns the ids of workers whose actor (or a home it needed) died."""
         failed: set[int] = set()
-        for w in todo:
+        for w, ref in refs.items():
             try:
-                results[w] = self._ray.get(refs[w])
+                results[w] = self._ray.get(ref)
             except Exception as err:  # sorted out by _dead_or_raise
                 self._dead_or_raise(err)
                 failed.add(w)

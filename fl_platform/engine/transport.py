@@ -111,12 +111,19 @@ def _unpack(encoded: Any) -> Any:
 
 
 class Packed:
-    """Wrap a message for Ray: the receiver unpickles the value itself, not a ``Packed``."""
+    """Wrap a message for Ray: the receiver unpickles the value itself, not a ``Packed``.
 
-    __slots__ = ("value",)
+    ``views=True``: every tensor arrives as a read-only view of the received buffer, like a
+    dataset's; for a receiver that only reads it (a reduction step that sums two partial
+    aggregates into a new one), which saves a copy of each.
+    """
 
-    def __init__(self, value: Any) -> None:
+    __slots__ = ("value", "views")
+
+    def __init__(self, value: Any, views: bool = False) -> None:
         self.value = value
+        self.views = views
 
     def __reduce__(self) -> tuple[Any, tuple[Any]]:
-        return _unpack, (_walk(self.value, _encode_tensor, torch.Tensor, _encode_shared),)
+        leaf = _encode_shared if self.views else _encode_tensor
+        return _unpack, (_walk(self.value, leaf, torch.Tensor, _encode_shared),)
