@@ -96,17 +96,34 @@ def test_removed_ray_paths_are_refused(key):
 @pytest.mark.ray
 @pytest.mark.parametrize("workers", [1, 2, 4])
 def test_the_driver_receives_one_aggregate_whatever_the_number_of_workers(ray_session, workers):
-    """Partial aggregates are reduced among the workers (a binary tree through the object store): the
-    driver's inbound tensors per round are one float64 model vector, for 1, 2 or 4 workers (4 on the
-    session's 2 CPUs at half a CPU each), and the result equals inline's."""
-    ref = run("engine=inline")
-    exp = build(compose_config(*COMMON, "engine=ray", f"engine.num_workers={workers}",
+    """Partial aggregates larger than Ray's inline limit (100 KiB) are reduced among the workers (a
+    binary tree through the object store): the driver's inbound tensors per round are one float64
+    model vector (an MLP of 19k parameters: 154 KB), for 1, 2 or 4 workers (4 on
+    the session's 2 CPUs at half a CPU each), and the result equals inline's."""
+    wide = ("model.hidden=[256]",)
+    ref = run("engine=inline", *wide)
+    exp = build(compose_config(*COMMON, *wide, "engine=ray", f"engine.num_workers={workers}",
                                f"engine.cpus_per_worker={min(1.0, 2 / workers)}"))
     try:
         exp.simulation.run()
         vector_bytes = 8 * exp.simulation.server.weights.numel()
+        assert vector_bytes > 100 * 1024 and exp.engine.tree is (workers > 1)
         assert [row["sched_driver_in_bytes"] for row in exp.simulation.history] == [vector_bytes] * 3
     finally:
         exp.engine.close()
     rows = [{k: v for k, v in row.items() if not is_timing_key(k)} for row in exp.simulation.history]
     assert_same(ref, (exp.simulation.server.weights.clone(), rows))
+
+
+@pytest.mark.ray
+def test_small_partials_are_summed_by_the_driver(ray_session):
+    """A partial aggregate within Ray's inline limit reaches the driver inside its task's reply anyway,
+    so the driver sums the W partials itself (no reduction hops): the default MLP's 77 KB."""
+    exp = build(compose_config(*COMMON, "engine=ray", "engine.num_workers=2"))
+    try:
+        exp.simulation.run()
+        vector_bytes = 8 * exp.simulation.server.weights.numel()
+        assert vector_bytes <= 100 * 1024 and not exp.engine.tree
+        assert [row["sched_driver_in_bytes"] for row in exp.simulation.history] == [2 * vector_bytes] * 3
+    finally:
+        exp.engine.close()

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fl_platform.compression.uplink import contribution_sizes
 from fl_platform.core import Aggregate, Broadcast, RoundContext
 from fl_platform.engine.ray_placement import Placement
 from fl_platform.engine.transport import Packed
@@ -92,6 +93,11 @@ class RayWorker(Worker):
 
     def is_stateful(self) -> bool:
         return self.stateful
+
+    def partial_nbytes(self) -> int:
+        """Bytes of this worker's partial aggregate (float64 sums of the contribution's tensors; 0 for
+        a server that takes each update whole)."""
+        return 8 * sum(contribution_sizes(self.client, self.fm).values()) if self.summable else 0
 
     def close(self) -> None:
         super().close()

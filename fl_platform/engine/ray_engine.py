@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 #: A broadcast up to this size travels inside each call (below Ray's 100 KiB limit for inlined
 #: arguments); a larger one is put into the object store once and every worker reads that copy.
 INLINE_BYTES = 64 * 1024
+#: Ray returns a task's result inside its reply to the caller up to this size (max_direct_call_object_size).
+INLINE_RETURN_BYTES = 100 * 1024
 #: At most this many bytes of client states travel in one message of a checkpoint or a restore.
 PART_BYTES = 64 * 2**20
 
@@ -131,6 +133,10 @@ class RayEngine(Engine):
         self.pool.ping_all(self.start_timeout_s)
         self.stateful = bool(ray.get(self.pool[0].is_stateful.remote()))
         self.state_nbytes = int(ray.get(self.pool[0].state_nbytes.remote())) if self.stateful else 0
+        # A partial aggregate small enough to travel inside its task's reply reaches the driver, its
+        # owner, whatever the reduction does (Ray inlines returns up to 100 KiB): the driver sums those
+        # itself; larger ones are reduced among the workers (_reduction_tree).
+        self.tree = int(ray.get(self.pool[0].partial_nbytes.remote())) > INLINE_RETURN_BYTES and num_workers > 1
         self.startup_s = time.perf_counter() - t0
         self.lend = self.stateful and not self.shared and num_workers > 1
         home = (lambda c: home_worker(c, num_workers)) if self.lend else None
@@ -234,11 +240,11 @@ class RayEngine(Engine):
             refs = self._submit(ctx, bc_ref, plan.assignment, expect, lending, todo, partials)
             # Submitted now, the tree's steps run as soon as their two partials exist: most of the
             # reduction overlaps with the slowest workers' training.
-            tree = self._reduction_tree(partials)
+            tree = self._reduction_tree(partials) if self.tree else partials
             failed = self._collect(refs, results)
             if not failed:
                 t_reduce = time.perf_counter()
-                total = self._fetch_sum(tree, single=self.num_workers == 1)
+                total = self._fetch_sum(tree)
                 if total is not None:
                     break
                 failed = set(range(self.num_workers))  # a partial died with its node: the round again
@@ -271,15 +277,16 @@ class RayEngine(Engine):
             step *= 2
         return refs[0]
 
-    def _fetch_sum(self, ref: Any, single: bool) -> Aggregate | None:
-        """The reduced aggregate, or None when a partial was lost (its worker's node died)."""
+    def _fetch_sum(self, ref: Any) -> Aggregate | None:
+        """The sum: the tree's root (``ref``), or the partials themselves (a list, summed here in
+        worker-id order); None when a partial was lost (its worker's node died)."""
         try:
-            total = self._ray.get(ref)
+            if isinstance(ref, list):  # read-only views, summed into a new aggregate
+                return Aggregate.reduce(self._ray.get(ref))
+            return self._ray.get(ref)
         except Exception as err:  # sorted out by _dead_or_raise
             self._dead_or_raise(err)
             return None
-        # One worker: its partial arrives as a read-only view; the server may update it in place.
-        return Aggregate().merge(total) if single else total
 
     def _submit(self, ctx: RoundContext, bc_ref: Any, assignment: list[list[int]],
                 expect: list[dict[int, int] | None], lending: Lending | None, todo: list[int],
