@@ -69,18 +69,21 @@ class RayWorker(Worker):
 
     def run_round_parts(self, ctx: RoundContext, broadcast: Broadcast, client_ids: list[int],
                         *foreign: dict[int, State | None], expect: dict[int, int] | None = None,
-                        homes: int = 0) -> tuple[Packed, ...]:
-        """``run_round``, returned as separate objects: (the result without its partial aggregate, the
-        partial aggregate) and, with ``homes`` > 0, the new states of lent clients for each home worker.
-        Separate, so that the partial aggregate goes to the worker that reduces it (the driver receives
-        one sum, not W) and each home fetches only its own clients' states."""
+                        homes: int = 0, split: bool = False) -> Packed | tuple[Packed, ...]:
+        """``run_round``, returned as separate objects: the result; with ``split``, its partial aggregate
+        apart (it goes to the worker that reduces it, not to the driver); with ``homes`` > 0, the new
+        states of lent clients for each home worker (each home fetches only its own)."""
         result = self.run_round(ctx, broadcast, client_ids, *foreign, expect=expect)
-        aggregate, result.aggregate = result.aggregate, Aggregate()
+        out = [Packed(result)]
+        if split:
+            out.append(Packed(result.aggregate, views=True))
+            result.aggregate = Aggregate()
         parts: list[dict[int, State]] = [{} for _ in range(homes)]
         for cid, state in result.outbox.items():
             parts[home_worker(cid, homes)][cid] = state
         result.outbox = {}
-        return (Packed(result), Packed(aggregate, views=True), *(Packed(part) for part in parts))
+        out += [Packed(part) for part in parts]
+        return tuple(out) if len(out) > 1 else out[0]
 
     def merge(self, own: Aggregate, other: Aggregate, last: bool) -> Packed:
         """``own + other`` into a new float64 aggregate: one step of the reduction tree among the

@@ -234,20 +234,21 @@ class RayEngine(Engine):
         packed = Packed(broadcast)
         bc_ref = ray.put(packed) if broadcast.nbytes() > INLINE_BYTES else packed
         inbound = received_bytes()
-        partials: list[Any] = [None] * self.num_workers  # references to the workers' partial aggregates
+        partials: list[Any] = [None] * self.num_workers  # with the tree: references to the partial aggregates
         todo = list(range(self.num_workers))
         for attempt in range(self.max_restarts + 1):
             refs = self._submit(ctx, bc_ref, plan.assignment, expect, lending, todo, partials)
             # Submitted now, the tree's steps run as soon as their two partials exist: most of the
             # reduction overlaps with the slowest workers' training.
-            tree = self._reduction_tree(partials) if self.tree else partials
+            root = self._reduction_tree(partials) if self.tree else None
             failed = self._collect(refs, results)
+            t_reduce = time.perf_counter()
+            if not failed and root is not None:
+                total = self._fetch_root(root)
+                if total is None:
+                    failed = set(range(self.num_workers))  # a partial died with its node: the round again
             if not failed:
-                t_reduce = time.perf_counter()
-                total = self._fetch_sum(tree)
-                if total is not None:
-                    break
-                failed = set(range(self.num_workers))  # a partial died with its node: the round again
+                break
             if attempt == self.max_restarts:
                 raise RuntimeError(f"round {ctx.round + 1}: Ray workers {sorted(failed)} kept failing after "
                                    f"{self.max_restarts} restarts (engine.max_restarts)")
@@ -255,7 +256,8 @@ class RayEngine(Engine):
             todo = sorted(failed)
         self._finish_round(ctx, lending)
         done = [r for r in results if r is not None]
-        done[0].aggregate = total  # the others' parts are inside it
+        if root is not None:
+            done[0].aggregate = total  # the others' partials are inside it
         for r in done:
             self.manifest.record(ctx.round, r.states_written)
         self._stats = self.scheduler.record(plan, [r.client_seconds for r in done], [r.busy_seconds for r in done])
@@ -277,12 +279,9 @@ class RayEngine(Engine):
             step *= 2
         return refs[0]
 
-    def _fetch_sum(self, ref: Any) -> Aggregate | None:
-        """The sum: the tree's root (``ref``), or the partials themselves (a list, summed here in
-        worker-id order); None when a partial was lost (its worker's node died)."""
+    def _fetch_root(self, ref: Any) -> Aggregate | None:
+        """The tree's sum, or None when a partial was lost (its worker's node died)."""
         try:
-            if isinstance(ref, list):  # read-only views, summed into a new aggregate
-                return Aggregate.reduce(self._ray.get(ref))
             return self._ray.get(ref)
         except Exception as err:  # sorted out by _dead_or_raise
             self._dead_or_raise(err)
@@ -291,17 +290,21 @@ class RayEngine(Engine):
     def _submit(self, ctx: RoundContext, bc_ref: Any, assignment: list[list[int]],
                 expect: list[dict[int, int] | None], lending: Lending | None, todo: list[int],
                 partials: list) -> dict[int, Any]:
-        """Start ``todo`` workers' shares; returns the references to their results (without partial
-        aggregates: those stay in the object store, ``partials`` receives their references)."""
+        """Start ``todo`` workers' shares; returns the references to their results. With the reduction
+        tree the partial aggregates travel apart (``partials`` receives their references); without,
+        inside the results, which the driver sums (Simulation.run_round)."""
         refs: dict[int, Any] = {}
         # Every export is queued before any round task, so no actor's round waits on another's.
         lent = {w: lending.exports(self.pool, w) for w in todo} if lending is not None else {}
         for w in todo:
             if lending is not None:
-                refs[w], partials[w] = lending.submit(self.pool, w, ctx, bc_ref, assignment[w], lent[w], expect[w])
-            else:
+                refs[w], partials[w] = lending.submit(self.pool, w, ctx, bc_ref, assignment[w], lent[w], expect[w],
+                                                      split=self.tree)
+            elif self.tree:
                 refs[w], partials[w] = self.pool[w].run_round_parts.options(num_returns=2).remote(
-                    ctx, bc_ref, assignment[w], expect=expect[w])
+                    ctx, bc_ref, assignment[w], expect=expect[w], split=True)
+            else:
+                refs[w] = self.pool[w].run_round_parts.remote(ctx, bc_ref, assignment[w], expect=expect[w])
         return refs
 
     def _collect(self, refs: dict[int, Any], results: list) -> set[int]:

@@ -29,13 +29,14 @@ class Lending:
                 for h in range(self.num_workers) if self.needs[h][trainer]]
 
     def submit(self, actors: Any, trainer: int, ctx: RoundContext, broadcast: Any, clients: list[int],
-               lent: list[Any], expect: dict[int, int] | None = None) -> Any:
+               lent: list[Any], expect: dict[int, int] | None = None, split: bool = False) -> Any:
         """Start ``trainer``'s round with its borrowed states (``expect``: the manifest's rounds of its
-        clients); returns the references to its result and to its partial aggregate."""
-        out = actors[trainer].run_round_parts.options(num_returns=2 + self.num_workers).remote(
-            ctx, broadcast, clients, *lent, expect=expect, homes=self.num_workers)
-        self.parts[trainer] = list(out[2:])
-        return out[0], out[1]
+        clients); returns the references to its result and, with ``split``, to its partial aggregate."""
+        extra = 1 if split else 0
+        out = actors[trainer].run_round_parts.options(num_returns=1 + extra + self.num_workers).remote(
+            ctx, broadcast, clients, *lent, expect=expect, homes=self.num_workers, split=split)
+        self.parts[trainer] = list(out[1 + extra:])
+        return out[0], (out[1] if split else None)
 
     def returns_to(self, home: int) -> list[Any]:
         """References to the new states of ``home``'s clients that trained elsewhere."""

@@ -69,14 +69,29 @@ def _encode_shared(t: torch.Tensor) -> _Array:
     return dataclasses.replace(_encode_tensor(t), shared=True)
 
 
+#: Values that hold no tensor: a container of only these is kept as it is (no walk, no copy).
+_PLAIN = frozenset({int, float, str, bool, type(None), bytes})
+
+
+def _plain(values: Any) -> bool:
+    return all(type(v) in _PLAIN for v in values)
+
+
 def _walk(value: Any, leaf: Callable[[Any], Any], tensor_type: type,
           dataset_leaf: Callable[[Any], Any] | None = None) -> Any:
     """``value`` with ``leaf(x)`` for every ``tensor_type`` x in it (``dataset_leaf(x)`` inside a dataset)."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return value
     if isinstance(value, tensor_type):
         return leaf(value)
     if isinstance(value, dict):
+        if _plain(value.values()):  # metrics, per-client statistics: most of a result's entries
+            return value
         return {k: _walk(v, leaf, tensor_type, dataset_leaf) for k, v in value.items()}
     if isinstance(value, list):
+        if _plain(value):
+            return value
         return [_walk(v, leaf, tensor_type, dataset_leaf) for v in value]
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
         return tuple(_walk(v, leaf, tensor_type, dataset_leaf) for v in value)
