@@ -417,6 +417,40 @@ def sample_features(mu: torch.Tensor, cov: torch.Tensor, counts: torch.Tensor, p
     return torch.cat(xs).to(torch.float32), torch.cat(ys)
 
 
+def pack_statistics(features: torch.Tensor, labels: torch.Tensor, num_classes: int, correction: int
+                    ) -> dict[str, torch.Tensor]:
+    """What a client uploads for the calibration: per-class counts, means and covariances (upper triangles)."""
+    counts, means, covs = class_statistics(features, labels, num_classes, correction)
+    rows, cols = _triu(features.shape[1])
+    return {"counts": counts.float(), "means": means.float(), "covs": covs[:, rows, cols].float()}
+
+
+def calibrate_head(head: nn.Module, result: list[ClientUpdate], cfg: Any, gen: torch.Generator, seed: int,
+                   round: int) -> dict[str, float]:
+    """Train the linear ``head`` in place on features drawn from the clients' pooled class statistics
+    (``pack_statistics`` uploads): ``cfg.sample_per_class`` per class, plain SGD at ``cfg.calibration_lr``,
+    batch ``cfg.calibration_batch_size``, one pass; ``cfg.calibration == "reference"`` pools with the
+    reference code's bug. Also FuseFL's calibration offered to the one-shot methods (oneshot/calibration.py)."""
+    counts = torch.stack([u.tensors["counts"].double() for u in result])
+    means = torch.stack([u.tensors["means"].double() for u in result])
+    dim = means.shape[-1]
+    rows, cols = _triu(dim)
+    covs = torch.zeros(*counts.shape, dim, dim, dtype=torch.float64)
+    for m, u in enumerate(result):
+        packed = u.tensors["covs"].double()
+        covs[m][:, rows, cols] = packed
+        covs[m][:, cols, rows] = packed
+    reference = getattr(cfg, "calibration", "fixed") == "reference"
+    total, mu, cov = pool_statistics(counts, means, covs, reference=reference)
+    x, y = sample_features(mu, cov, total, cfg.sample_per_class, gen)
+    fm = FlatModel(head, "cpu")
+    train = TrainConfig(epochs=1, batch_size=cfg.calibration_batch_size, lr=cfg.calibration_lr)
+    metrics = LocalTrainer(fm, train).fit(ClientData(x, y, torch.arange(x.shape[0])), seed=seed, round=round,
+                                          client=_SERVER)
+    return {"calibration_samples": float(x.shape[0]), "calibration_loss": metrics.mean("train_loss"),
+            "calibrated_classes": float((total > 0).sum())}
+
+
 # ---------------------------------------------------------------------------- the two halves
 
 class FuseFLClient(ClientAlgorithm):
@@ -499,9 +533,7 @@ class FuseFLClient(ClientAlgorithm):
         features = torch.cat(feats) if feats else torch.zeros(0, self.plan.feature_dim)
         labels = data.y.index_select(0, idx).cpu()
         correction = 0 if self.cfg.calibration == "reference" else 1
-        counts, means, covs = class_statistics(features, labels, self.setup.num_classes, correction)
-        rows, cols = _triu(features.shape[1])
-        tensors = {"counts": counts.float(), "means": means.float(), "covs": covs[:, rows, cols].float()}
+        tensors = pack_statistics(features, labels, self.setup.num_classes, correction)
         n = data.num_samples
         return ClientUpdate(client_id, tensors, {"n": float(n)}, n)
 
@@ -570,26 +602,11 @@ class FuseFLServer(ServerAlgorithm):
 
     def calibrate(self, ctx: RoundContext, result: list[ClientUpdate]) -> dict[str, float]:
         assert self.head_avg is not None
-        dim = self.plan.feature_dim
-        rows, cols = _triu(dim)
-        counts = torch.stack([u.tensors["counts"].double() for u in result])
-        means = torch.stack([u.tensors["means"].double() for u in result])
-        covs = torch.zeros(*counts.shape, dim, dim, dtype=torch.float64)
-        for m, u in enumerate(result):
-            packed = u.tensors["covs"].double()
-            covs[m][:, rows, cols] = packed
-            covs[m][:, cols, rows] = packed
-        total, mu, cov = pool_statistics(counts, means, covs, reference=self.cfg.calibration == "reference")
-        gen = torch_generator(self.setup.seed, Stream.ALGORITHM, _FUSEFL, ctx.round, 0)
-        x, y = sample_features(mu, cov, total, self.cfg.sample_per_class, gen)
         head = self.plan.make_head(self.head_avg)
-        fm = FlatModel(head, "cpu")
-        train = TrainConfig(epochs=1, batch_size=self.cfg.calibration_batch_size, lr=self.cfg.calibration_lr)
-        metrics = LocalTrainer(fm, train).fit(ClientData(x, y, torch.arange(x.shape[0])), seed=self.setup.seed,
-                                              round=ctx.round, client=_SERVER)
+        gen = torch_generator(self.setup.seed, Stream.ALGORITHM, _FUSEFL, ctx.round, 0)
+        out = calibrate_head(head, result, self.cfg, gen, self.setup.seed, ctx.round)
         self.head_calibrated = get_vector(head)
-        return {"calibration_samples": float(x.shape[0]), "calibration_loss": metrics.mean("train_loss"),
-                "calibrated_classes": float((total > 0).sum())}
+        return out
 
     def final_model(self, device: torch.device | str, calibrated: bool = True) -> FuseFLModel | None:
         if len(self.levels) < self.plan.K or self.head_avg is None:

@@ -82,6 +82,9 @@ PERTURB: dict[str, Any] = {
     "ratio_rule": "budget", "baow.scope": "global", "baow.index": "int32", "baow.aggregation": "plain",
     "gamma_max": 1.5, "bcrs_reweight": "ratio",
     "oneshot_feddf.student_init": "fresh", "student_init": "fedavg", "generator_clip": 0.001, "kd_clip": 0.001,
+    "oneshot_fedavg.calibrate": Perturb(True, also={"rounds": 2}),
+    "oneshot_ensemble.calibrate": Perturb(True, also={"rounds": 2}),
+    "distill_set": "digits", "distill_size": Perturb(50, {"distill_set": "digits"}),  # out of domain: digits' own train set
     # the mask matters only where student and ensemble disagree: a fresh student disagrees everywhere
     "adv_mask": Perturb(MISSING, {"student_init": "fedavg"}),
     "pool_batches": 1, "input_low": Perturb(-2.0, {"input_low": -1.0, "input_high": 2.0}),

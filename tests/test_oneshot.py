@@ -1,4 +1,5 @@
-"""One-shot protocol and server-side methods: ensemble, averaging, caching, server split, distillation."""
+"""One-shot protocol and server-side methods: ensemble, averaging, caching, server split, distillation,
+and the fairness options of docs/results/oneshot.md (calibration offered to the references, FedDF out of domain)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fl_platform.algorithms.base import Setup
+from fl_platform.algorithms.fusefl import class_statistics, pool_statistics
+from fl_platform.algorithms.oneshot.calibration import ensemble_head, features
 from fl_platform.algorithms.oneshot.coboost import CoBoostConf
 from fl_platform.algorithms.oneshot.datafree import BNStatLoss, DataFreeServer, augment
 from fl_platform.algorithms.oneshot.distill import LogitEnsemble, kd_loss, predict_logits
 from fl_platform.algorithms.oneshot.ensemble import EnsembleConf, EnsembleServer
 from fl_platform.algorithms.oneshot.fedavg import OneShotFedAvgConf, OneShotFedAvgServer
+from fl_platform.algorithms.oneshot.feddf import load_distill_set
 from fl_platform.algorithms.oneshot.protocol import HoldoutFilter, build_module, server_split
 
 from fl_platform.core import ClientUpdate, RoundContext
@@ -226,3 +230,96 @@ def test_coboost_reweighting_moves_weight_to_the_member_that_fits_the_labels():
     w = server.reweight(0, ensemble, torch.tensor([0.5, 0.5]), [x], [y], torch.full((1, 1, 1), -1.0),
                         torch.Generator().manual_seed(0))
     assert w[0] > 0.5 > w[1]
+
+
+# ----------------------------------------------------------------------------- fairness options (oneshot.md)
+
+
+def _members(k: int = 3) -> list[torch.nn.Module]:
+    setup = _setup(k)
+    return [build_module(setup, u.tensors["weights"], "cpu").eval() for u in _updates(setup, [1] * k)]
+
+
+def test_the_ensembles_calibration_head_starts_as_the_ensemble_itself():
+    members = _members()
+    x = torch.randn(40, *SHAPE)
+    w = torch.tensor([3.0, 1.0, 6.0])
+    head = ensemble_head(members, w)
+    with torch.no_grad():
+        torch.testing.assert_close(head(features(members, x)), LogitEnsemble(members, w)(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ensemble_head(members, torch.ones(3))(features(members, x)),
+                                   LogitEnsemble(members)(x), rtol=1e-5, atol=1e-5)
+
+
+def _run_fair(make_config, *extra: str):
+    cfg = make_config("dataset=digits", "model=cnn", "model.channels=[6,8]", "model.hidden=16", "model.norm=batch",
+                      "num_clients=3", "clients_per_round=3", "partition.alpha=0.5", "train.epochs=2",
+                      "train.batch_size=32", "train.lr=0.05", "train.momentum=0.9", "algorithm.cache_dir=null",
+                      "save_model=false", *extra)
+    exp = build(cfg)
+    try:
+        exp.simulation.run()
+    finally:
+        exp.engine.close()
+    return exp, exp.simulation.history
+
+
+@pytest.mark.parametrize("algorithm", ["oneshot_ensemble", "oneshot_fedavg"])
+def test_calibration_round_sends_the_final_model_and_the_clients_exact_class_statistics(make_config, algorithm):
+    exp, rows = _run_fair(make_config, f"algorithm={algorithm}", "rounds=2", "algorithm.calibrate=true",
+                     "algorithm.sample_per_class=300")
+    server = exp.simulation.server
+    first, last = rows
+    k, p = len(server.teachers), server.teachers[0].numel()
+    # Round 2 downloads the final model (the ensemble: every member) to each client ...
+    assert last["bytes_down"] == k * 4 * p * (k if algorithm == "oneshot_ensemble" else 1)
+    # ... and uploads per-class counts, means and covariance triangles of its feature (D per member).
+    d = (k if algorithm == "oneshot_ensemble" else 1) * 16
+    assert last["bytes_up"] == k * 4 * 10 * (1 + d + d * (d + 1) // 2)
+    # Before calibration the model is the plain ensemble / one-shot FedAvg of the same client models.
+    before = "ensemble_test_accuracy" if algorithm == "oneshot_ensemble" else "fedavg_test_accuracy"
+    assert last["uncalibrated_test_accuracy"] == first["test_accuracy"] == last[before]
+    assert last["test_accuracy"] != last["uncalibrated_test_accuracy"] and last["calibration_samples"] == 3000
+
+
+def test_pooled_statistics_equal_the_statistics_of_all_clients_features():
+    """What the server pools from the clients' uploads is the class mean and covariance of the union."""
+    members = _members()
+    x, y = torch.randn(90, *SHAPE), torch.randint(0, 4, (90,))
+    f = features(members, x)
+    parts = [class_statistics(f[i::3], y[i::3], 4, correction=1) for i in range(3)]
+    total, mu, cov = pool_statistics(*(torch.stack([p[j] for p in parts]) for j in range(3)))
+    whole = class_statistics(f, y, 4, correction=1)
+    torch.testing.assert_close(total, whole[0])
+    torch.testing.assert_close(mu, whole[1])
+    torch.testing.assert_close(cov, whole[2])
+
+
+def test_calibrate_needs_its_extra_round(make_config):
+    for algorithm, rounds in (("oneshot_ensemble", 1), ("oneshot_ensemble", 3), ("oneshot_fedavg", 1)):
+        with pytest.raises(ValueError, match=r"calibrate=true trains, then runs one calibration round"):
+            _run_fair(make_config, f"algorithm={algorithm}", f"rounds={rounds}", "algorithm.calibrate=true")
+
+
+def test_out_of_domain_images_take_the_tasks_shape_and_input_range():
+    low, high = torch.tensor([-0.5, -1.0, -2.0]), torch.tensor([2.0, 1.5, 0.5])
+    gen = torch.Generator().manual_seed(0)
+    x = load_distill_set("digits", 100, (3, 12, 12), low, high, gen)
+    assert x.shape == (100, 3, 12, 12)
+    # raw 0 (background) lands on low, the brightest raw pixel on high, channel by channel
+    assert torch.equal(x.amin(dim=(0, 2, 3)), low) and torch.allclose(x.amax(dim=(0, 2, 3)), high, atol=1e-6)
+    raw = (x - low.view(1, 3, 1, 1)) / (high - low).view(1, 3, 1, 1)  # one grey channel, repeated
+    assert torch.allclose(raw[:, 1], raw[:, 0], atol=1e-6) and torch.allclose(raw[:, 2], raw[:, 0], atol=1e-6)
+    same = load_distill_set("digits", 100, (3, 12, 12), low, high, torch.Generator().manual_seed(0))
+    assert torch.equal(x, same)  # drawn from the generator only
+    with pytest.raises(ValueError, match="exceeds"):
+        load_distill_set("digits", 10**6, (1, 8, 8), low[:1], high[:1], gen)
+    with pytest.raises(ValueError, match="image source"):
+        load_distill_set("synthetic", 10, (1, 8, 8), low[:1], high[:1], gen)
+
+
+def test_feddf_distils_on_the_out_of_domain_set(make_config):
+    exp, rows = _run_fair(make_config, "algorithm=oneshot_feddf", "rounds=1", "algorithm.steps=20",
+                     "algorithm.val_fraction=0", "algorithm.distill_set=digits", "algorithm.distill_size=77")
+    server = exp.simulation.server
+    assert rows[-1]["distill_set_size"] == 77 and server.distill_x.shape == (77, 1, 8, 8)

@@ -9,6 +9,15 @@ the server split; training stops after ``patience`` steps without a gain and the
 is kept. That validation set is labelled server data, as the card flags: ``val_fraction: 0``
 disables it (no early stopping, the last student is kept).
 
+Out-of-domain distillation (FedDF distils CIFAR-10 ensembles on CIFAR-100 or ImageNet, not on the
+task's own data): ``distill_set: <source>`` (e.g. ``femnist`` for Fashion-MNIST) replaces U by
+``distill_size`` images of that source's training set (default: as many as U would hold), drawn
+from (seed, ALGORITHM), loaded unstandardised (pixels in [0, 1]; FEMNIST with LEAF's inversion
+undone, bright ink on black like (F)MNIST), resized to the model's input (bilinear, antialiased;
+one channel repeated or several averaged) and mapped onto the task's per-channel input range
+[low, high] as the generators of DENSE and Co-Boosting map theirs. The validation split for early
+stopping stays the task's own labelled server data.
+
 The teachers' logits on U are computed once (no augmentation), so a step costs one student
 forward/backward. Card defaults: 10,000 steps, batch 128, early stop after 1,000; the results
 script scales the steps down for CPU and says so.
@@ -36,6 +45,7 @@ from fl_platform.seeding import Stream, seed_torch_global, torch_generator
 from fl_platform.training.flat import model_vector
 
 _FEDDF = 0x46444446  # "FDDF": stream key of the distillation batches
+HELDOUT = "heldout"
 
 
 @dataclass
@@ -49,15 +59,43 @@ class FedDFConf(OneShotConf):
     patience: int = 1000  # steps without a validation gain before stopping (0: never stop early)
     val_fraction: float = 0.2  # labelled share of the server split used for early stopping (0: none)
     student_init: str = "fedavg"  # fedavg or fresh
+    distill_set: str = "heldout"  # heldout: the server split's unlabelled part | a data source name (out of domain)
+    distill_size: int | None = None  # images of an out-of-domain distill_set (None: as many as heldout's)
 
     def inactive_fields(self, run: Any) -> dict[str, str]:
         out: dict[str, str] = {}
+        if self.distill_set == HELDOUT:
+            out["distill_size"] = "it sizes an out-of-domain distillation set, and distill_set=heldout"
         if self.val_fraction == 0:
             out.update(dict.fromkeys(("eval_every", "patience"), "validation-based early stopping, and val_fraction=0"))
         if self.steps == 0:
             out.update(dict.fromkeys(("batch_size", "lr", "temperature", "eval_every", "patience"),
                                      "a setting of the distillation steps, and steps=0"))
         return out
+
+
+def load_distill_set(name: str, count: int, shape: tuple[int, ...], low: torch.Tensor, high: torch.Tensor,
+                     gen: torch.Generator) -> torch.Tensor:
+    """``count`` training images of source ``name`` drawn by ``gen``, in the task's input shape and range."""
+    import torch.nn.functional as F
+    from fl_platform.datasets.registry import load_source, source_options
+
+    if "normalize" not in source_options(name):
+        raise ValueError(f"algorithm.distill_set={name!r}: an out-of-domain distillation set must be an image "
+                         "source with a normalize option (mnist, fashion_mnist, femnist, cifar10, cifar100, digits)")
+    src = load_source(name, normalize=False)
+    x = torch.from_numpy(src.train_x)
+    if x.dim() != 4 or len(shape) != 3:
+        raise ValueError(f"algorithm.distill_set={name!r}: images {tuple(x.shape[1:])} cannot feed a model taking "
+                         f"{shape} (both must be images: channels, height, width)")
+    if count > x.shape[0]:
+        raise ValueError(f"algorithm.distill_size={count} exceeds the {x.shape[0]} training images of {name!r}")
+    x = x[torch.randperm(x.shape[0], generator=gen)[:count]]
+    if x.shape[1] != shape[0]:
+        x = x.expand(-1, shape[0], -1, -1) if x.shape[1] == 1 else x.mean(dim=1, keepdim=True).expand(-1, shape[0], -1, -1)
+    if tuple(x.shape[2:]) != tuple(shape[1:]):
+        x = F.interpolate(x, size=tuple(shape[1:]), mode="bilinear", antialias=True, align_corners=False).clamp(0, 1)
+    return (low.view(1, -1, 1, 1) + (high - low).view(1, -1, 1, 1) * x).contiguous()
 
 
 def split_server_data(num: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,13 +113,31 @@ class FedDFServer(OneShotServer):
                   (cfg.lr > 0, "lr", cfg.lr), (cfg.temperature > 0, "temperature", cfg.temperature),
                   (cfg.eval_every >= 1, "eval_every", cfg.eval_every), (cfg.patience >= 0, "patience", cfg.patience),
                   (cfg.student_init in ("fedavg", "fresh"), "student_init", cfg.student_init),
-                  (cfg.server_fraction > 0, "server_fraction", cfg.server_fraction)]
+                  (cfg.server_fraction > 0, "server_fraction", cfg.server_fraction),
+                  (cfg.distill_size is None or cfg.distill_size >= 1, "distill_size", cfg.distill_size)]
+        if cfg.distill_set != HELDOUT:
+            from fl_platform.datasets.registry import SOURCES
+
+            if cfg.distill_set not in SOURCES:
+                raise ValueError(f"algorithm.distill_set={cfg.distill_set!r}: use {HELDOUT!r} or a data source "
+                                 f"({', '.join(sorted(SOURCES))})")
         for ok, key, value in checks:
             if not ok:
                 hint = " (FedDF distils on held-out server data)" if key == "server_fraction" else ""
                 raise ValueError(f"algorithm.{key}={value!r} is invalid for oneshot_feddf{hint}")
         super().__init__(cfg, setup, initial_weights)
         self.history: list[tuple[int, float]] = []
+        self.distill_x: torch.Tensor | None = None  # an out-of-domain distillation set (distill_set)
+
+    def attach_data(self, data: Any) -> None:
+        super().attach_data(data)
+        if self.cfg.distill_set != HELDOUT:
+            assert self.server_x is not None and self.input_low is not None and self.input_high is not None
+            unl, _ = split_server_data(self.server_x.shape[0], self.cfg.val_fraction, self.setup.seed)
+            count = self.cfg.distill_size or unl.numel()
+            gen = torch_generator(self.setup.seed, Stream.ALGORITHM, _FEDDF, 4)
+            self.distill_x = load_distill_set(self.cfg.distill_set, count, tuple(self.server_x.shape[1:]),
+                                              self.input_low, self.input_high, gen)
 
     def build(self, ctx: RoundContext) -> dict[str, float]:
         cfg = self.cfg
@@ -90,7 +146,7 @@ class FedDFServer(OneShotServer):
                                "algorithm.server_fraction must be > 0")
         dev = self.device
         unl, val = split_server_data(self.server_x.shape[0], cfg.val_fraction, self.setup.seed)
-        x_u = self.server_x[unl].to(dev)
+        x_u = (self.server_x[unl] if self.distill_x is None else self.distill_x).to(dev)
         x_v, y_v = self.server_x[val].to(dev), self.server_y[val].to(dev)
         teachers = self.teacher_modules(dev)
         t_u = combine_logits(torch.stack([predict_logits(m, x_u) for m in teachers]))

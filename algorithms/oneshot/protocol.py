@@ -135,7 +135,10 @@ class OneShotClient(ClientAlgorithm):
 
     @classmethod
     def uploads(cls, cfg: OneShotConf) -> dict[str, str | None]:
-        return {"weights": None}  # the trained model itself, not an update
+        from fl_platform.algorithms.oneshot.calibration import UPLOADS  # it builds on this module
+
+        calibration = dict.fromkeys(UPLOADS) if getattr(cfg, "calibrate", False) else {}
+        return {"weights": None, **calibration}  # the trained model itself, not an update
 
     def contribution_sizes(self) -> dict[str, int]:
         return {"weights": self.setup.vector_size}
@@ -155,8 +158,12 @@ class OneShotClient(ClientAlgorithm):
 
     def train(self, ctx: RoundContext, client_id: int, broadcast: Broadcast,
               state: dict[str, torch.Tensor] | None, data: ClientData, trainer: LocalTrainer) -> ClientUpdate:
-        weights = broadcast.tensors["weights"]
         data = self.holdout(data)
+        if broadcast.scalars.get("calibration"):  # the calibration round (calibration.py)
+            from fl_platform.algorithms.oneshot.calibration import client_statistics
+
+            return client_statistics(self.setup, client_id, broadcast, data, trainer.fm.device)
+        weights = broadcast.tensors["weights"]
         n = data.num_samples
         path = None
         # Only the one-shot upload (round 0) is cached; later rounds of multi-round FedAvg are not.
