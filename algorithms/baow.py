@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from fl_platform.algorithms.base import (
     AlgorithmSpec,
     ClientAlgorithm,
@@ -34,7 +35,6 @@ from fl_platform.algorithms.base import (
     ServerStepConf,
     StateSpec,
 )
-
 from fl_platform.compression.base import Key
 from fl_platform.compression.errorfeedback import ErrorFeedback
 from fl_platform.compression.topk import INDEX_FORMATS, TopK

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fl_platform.algorithms.base import AlgorithmSpec, ClientAlgorithm, ServerAlgorithm, ServerStepConf
 
+from fl_platform.algorithms.base import AlgorithmSpec, ClientAlgorithm, ServerAlgorithm, ServerStepConf
 from fl_platform.core import Aggregate, ClientUpdate, RoundContext
 
 

@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from fl_platform.algorithms.base import AlgorithmSpec, Setup
-from fl_platform.algorithms.fedavg import FedAvgClient, FedAvgConf, FedAvgServer
 from torch import nn
 
+from fl_platform.algorithms.base import AlgorithmSpec, Setup
+from fl_platform.algorithms.fedavg import FedAvgClient, FedAvgConf, FedAvgServer
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, RoundContext
 from fl_platform.models.base import StagedModel
 from fl_platform.seeding import Stream, torch_generator

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from fl_platform.algorithms.base import AlgorithmSpec
 from fl_platform.algorithms.fedavg import FedAvgClient, FedAvgConf, FedAvgServer
-
 from fl_platform.training.hooks import ProximalHook
 
 

@@ -48,6 +48,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from torch import nn
+
 from fl_platform.algorithms.base import (
     AlgorithmConf,
     AlgorithmSpec,
@@ -57,8 +59,6 @@ from fl_platform.algorithms.base import (
     StateSpec,
 )
 from fl_platform.algorithms.oneshot.protocol import HoldoutFilter, count_model
-from torch import nn
-
 from fl_platform.core import Broadcast, ClientUpdate, RoundContext
 from fl_platform.models import FUSEFL_RESNET18_CUTS, ResNet18, StagedModel
 from fl_platform.seeding import Stream, seed_torch_global, torch_generator

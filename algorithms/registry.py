@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 
 from fl_platform.algorithms.base import AlgorithmSpec
-
 from fl_platform.plugins import ALGORITHM_ENTRY_POINTS, PluginError, entry_points, load, target_of
 
 log = logging.getLogger(__name__)

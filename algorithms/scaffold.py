@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from fl_platform.algorithms.base import (
     AlgorithmSpec,
     ClientAlgorithm,
@@ -22,7 +23,6 @@ from fl_platform.algorithms.base import (
     ServerStepConf,
     StateSpec,
 )
-
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
 from fl_platform.privacy.spec import PrivateUploads
 from fl_platform.training.hooks import GradientCorrectionHook

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from fl_platform.algorithms.base import AlgorithmSpec
 from fl_platform.algorithms.fedavg import FedAvgClient, FedAvgConf, FedAvgServer
 from fl_platform.algorithms.vhl_data import (
@@ -35,8 +37,6 @@ from fl_platform.algorithms.vhl_data import (
     VirtualDataSpec,
     virtual_dataset,
 )
-from torch import nn
-
 from fl_platform.core import Broadcast, ClientUpdate, RoundContext
 from fl_platform.models.base import StagedModel
 from fl_platform.seeding import Stream, torch_generator

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from fl_platform.datasets import registry
 from fl_platform.datasets.augment import Augmentation, AugmentConf
 from fl_platform.datasets.partition import PARTITIONERS, Partition, make_partition

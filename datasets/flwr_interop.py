@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
 from fl_platform.datasets.partition import Partition
 
 try:  # the base class of FlwrPartitioner; without the extra, using it raises _import's error

@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fl_platform.algorithms.registry import algorithm_names, unregister_algorithm
 from torch import nn
 
 from fl_platform import api, plugins
+from fl_platform.algorithms.registry import algorithm_names, unregister_algorithm
 from fl_platform.experiment import build
 from fl_platform.rounds.simulation import is_timing_key
 

@@ -9,9 +9,9 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+
 from fl_platform.datasets.augment import Augmentation, AugmentConf, crop_flip, sample_hash
 from fl_platform.datasets.registry import load_source
-
 from fl_platform.experiment import build
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.hooks import TrainHooks

@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
+
 from fl_platform.algorithms.baow import BAOWClient, BAOWConf, BAOWServer, keep_ratios
 from fl_platform.algorithms.base import Setup
-
 from fl_platform.compression import TopK
 from fl_platform.core import Aggregate, Broadcast, RoundContext
 from fl_platform.experiment import build, run_experiment

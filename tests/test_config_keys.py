@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 import torch
-from fl_platform.algorithms.registry import algorithm_names, get_algorithm
 from omegaconf import OmegaConf
 
+from fl_platform.algorithms.registry import algorithm_names, get_algorithm
 from fl_platform.compression.registry import compressor_schemas
 from fl_platform.experiment import build
 from fl_platform.privacy.config import PrivacyConf

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 import torch
+
 from fl_platform.datasets.federated import FederatedDataset, build_federated_dataset, default_partition
 from fl_platform.datasets.partition import Partition, iid
 from fl_platform.datasets.paths import data_root

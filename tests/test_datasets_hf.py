@@ -16,7 +16,6 @@ PIL = pytest.importorskip("PIL.Image")
 
 from fl_platform.datasets.paths import DatasetNotFoundError  # noqa: E402
 from fl_platform.datasets.registry import load_source  # noqa: E402
-
 from fl_platform.experiment import build  # noqa: E402
 
 from .conftest import compose_config  # noqa: E402

@@ -6,6 +6,9 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from fl_platform.datasets.partition import (
     PARTITIONERS,
     Partition,
@@ -18,8 +21,6 @@ from fl_platform.datasets.partition import (
     power_law,
     shards,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 SEEDED = ["iid", "dirichlet", "shards", "power_law", "lognormal"]
 

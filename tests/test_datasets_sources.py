@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from fl_platform.datasets.download import fetch
 from fl_platform.datasets.paths import ENV_VAR, DatasetNotFoundError, DownloadError, data_root
 from fl_platform.datasets.registry import SOURCES, load_source, source_options

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+
 from fl_platform.algorithms.fedimpro import (
     ClassStats,
     FedImproConf,
@@ -20,7 +21,6 @@ from fl_platform.algorithms.fedimpro import (
     privatise,
     split_info,
 )
-
 from fl_platform.core import Aggregate
 from fl_platform.experiment import build
 from fl_platform.models import build_model

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from fl_platform.algorithms.registry import get_algorithm
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from omegaconf import OmegaConf
 
+from fl_platform.algorithms.registry import get_algorithm
 from fl_platform.compression.uplink import contribution_sizes
 from fl_platform.core import Broadcast, ClientUpdate, Metrics, RoundContext
 from fl_platform.experiment import build, load_data, make_setup, run_experiment

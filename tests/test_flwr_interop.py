@@ -8,11 +8,11 @@ import pytest
 
 pytest.importorskip("flwr_datasets", reason="flwr-datasets (extra fl-platform[hf]) is not installed")
 
-from fl_platform.datasets.flwr_interop import FlwrPartitioner, flwr_partition, labels_dataset
-from fl_platform.datasets.partition import make_partition
 from flwr_datasets.metrics import compute_counts
 from flwr_datasets.partitioner import DirichletPartitioner, ShardPartitioner
 
+from fl_platform.datasets.flwr_interop import FlwrPartitioner, flwr_partition, labels_dataset
+from fl_platform.datasets.partition import make_partition
 from fl_platform.experiment import load_data
 
 from .conftest import compose_config

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from fl_platform.algorithms.base import Setup
 from fl_platform.algorithms.fusefl import (
     Branch,
@@ -17,7 +18,6 @@ from fl_platform.algorithms.fusefl import (
     set_vector,
 )
 from fl_platform.algorithms.oneshot.protocol import count_model
-
 from fl_platform.experiment import build
 from fl_platform.models import build_model
 from fl_platform.rounds.setup import ModelFactory

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from fl_platform.algorithms.base import Setup
 from fl_platform.algorithms.fusefl import class_statistics, pool_statistics
 from fl_platform.algorithms.oneshot.calibration import ensemble_head, features
@@ -16,7 +17,6 @@ from fl_platform.algorithms.oneshot.ensemble import EnsembleConf, EnsembleServer
 from fl_platform.algorithms.oneshot.fedavg import OneShotFedAvgConf, OneShotFedAvgServer
 from fl_platform.algorithms.oneshot.feddf import load_distill_set
 from fl_platform.algorithms.oneshot.protocol import HoldoutFilter, build_module, server_split
-
 from fl_platform.core import ClientUpdate, RoundContext
 from fl_platform.experiment import build
 from fl_platform.rounds.setup import ModelFactory

@@ -14,14 +14,14 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from fl_platform.algorithms.base import Setup
 from fl_platform.algorithms.oneshot.coboost import CoBoostConf
 from fl_platform.algorithms.oneshot.datafree import BNStatLoss, DataFreeServer
 from fl_platform.algorithms.oneshot.dense import DenseConf
 from fl_platform.algorithms.oneshot.distill import LogitEnsemble
 from fl_platform.algorithms.oneshot.protocol import build_module
-from torch import nn
-
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.loop import TrainConfig
 

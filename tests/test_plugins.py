@@ -22,15 +22,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
+
+from fl_platform import plugins
 from fl_platform.algorithms.registry import (
     algorithm_names,
     get_algorithm,
     register_algorithm,
     unregister_algorithm,
 )
-from omegaconf import OmegaConf
-
-from fl_platform import plugins
 from fl_platform.config import register_configs, unregister_algorithm_option
 from fl_platform.engine.ray_cluster import with_plugin_modules
 from fl_platform.experiment import ConfigError, build, run_experiment

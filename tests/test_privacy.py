@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 from dp_accounting import pld, rdp
-from fl_platform.algorithms.base import FedAvgCohort
 
+from fl_platform.algorithms.base import FedAvgCohort
 from fl_platform.compression.uplink import UplinkCompression
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, RoundContext
 from fl_platform.engine.worker import Worker

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from fl_platform.algorithms.base import StateSpec
 
+from fl_platform.algorithms.base import StateSpec
 from fl_platform.state import DiskStore, DistributedStore, MemoryStore, home_worker, make_store
 from fl_platform.state.distributed import lending_plan
 

@@ -8,12 +8,12 @@ import weakref
 
 import pytest
 import torch
-from fl_platform.algorithms.base import ClientAlgorithm, Setup
-from fl_platform.algorithms.registry import get_algorithm
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
+from fl_platform.algorithms.base import ClientAlgorithm, Setup
+from fl_platform.algorithms.registry import get_algorithm
 from fl_platform.core import Aggregate, Broadcast, RoundContext
 from fl_platform.engine import worker as worker_module
 from fl_platform.experiment import ConfigError, build

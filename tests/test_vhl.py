@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+
 from fl_platform.algorithms.base import Setup
 from fl_platform.algorithms.vhl import VHLConf, VHLHook, VHLServer, virtual_spec
 from fl_platform.algorithms.vhl_data import (
@@ -19,7 +20,6 @@ from fl_platform.algorithms.vhl_data import (
     generate_virtual_dataset,
     virtual_dataset,
 )
-
 from fl_platform.experiment import build
 from fl_platform.models import build_model
 from fl_platform.rounds.simulation import is_timing_key

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+
 from fl_platform.algorithms.base import Setup
 from fl_platform.algorithms.fusefl import calibrate_head, pack_statistics
 from fl_platform.algorithms.oneshot.distill import predict_logits
 from fl_platform.algorithms.oneshot.protocol import OneShotConf, OneShotServer, build_module
-from torch import nn
-
 from fl_platform.core import Broadcast, ClientUpdate, RoundContext
 from fl_platform.models import StagedModel
 from fl_platform.seeding import Stream, torch_generator

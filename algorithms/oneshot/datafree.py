@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from fl_platform.algorithms.oneshot.distill import LogitEnsemble, combine_logits, kd_loss
-from fl_platform.algorithms.oneshot.protocol import OneShotConf, OneShotServer, build_module, fresh_vector
 from torch import nn
 
+from fl_platform.algorithms.oneshot.distill import LogitEnsemble, combine_logits, kd_loss
+from fl_platform.algorithms.oneshot.protocol import OneShotConf, OneShotServer, build_module, fresh_vector
 from fl_platform.core import RoundContext
 from fl_platform.seeding import Stream, torch_generator
 from fl_platform.training.flat import model_vector

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+
 from fl_platform.algorithms.base import AlgorithmSpec
 from fl_platform.algorithms.oneshot.calibration import (
     MEMBERS,
@@ -27,8 +29,6 @@ from fl_platform.algorithms.oneshot.calibration import (
 )
 from fl_platform.algorithms.oneshot.distill import combine_logits
 from fl_platform.algorithms.oneshot.protocol import OneShotClient, build_module, count_model
-from torch import nn
-
 from fl_platform.core import RoundContext
 from fl_platform.training.flat import FlatModel
 

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+
 from fl_platform.algorithms.base import AlgorithmSpec
 from fl_platform.algorithms.oneshot.calibration import CalibratedConf, CalibratedServer, staged
 from fl_platform.algorithms.oneshot.distill import predict_logits
 from fl_platform.algorithms.oneshot.protocol import OneShotClient, average, build_module
-from torch import nn
-
 from fl_platform.core import RoundContext
 from fl_platform.training.flat import FlatModel, model_vector
 

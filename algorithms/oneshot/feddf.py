@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from fl_platform.algorithms.base import AlgorithmSpec
 from fl_platform.algorithms.oneshot.distill import combine_logits, kd_loss, predict_logits
 from fl_platform.algorithms.oneshot.protocol import (
@@ -39,7 +40,6 @@ from fl_platform.algorithms.oneshot.protocol import (
     build_module,
     fresh_vector,
 )
-
 from fl_platform.core import RoundContext
 from fl_platform.seeding import Stream, seed_torch_global, torch_generator
 from fl_platform.training.flat import model_vector
@@ -78,6 +78,7 @@ def load_distill_set(name: str, count: int, shape: tuple[int, ...], low: torch.T
                      gen: torch.Generator) -> torch.Tensor:
     """``count`` training images of source ``name`` drawn by ``gen``, in the task's input shape and range."""
     import torch.nn.functional as F
+
     from fl_platform.datasets.registry import load_source, source_options
 
     if "normalize" not in source_options(name):

@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from fl_platform.algorithms.base import AlgorithmConf, ClientAlgorithm, ServerAlgorithm, Setup
-from fl_platform.algorithms.oneshot.distill import combine_logits, predict_logits
 from torch import nn
 
+from fl_platform.algorithms.base import AlgorithmConf, ClientAlgorithm, ServerAlgorithm, Setup
+from fl_platform.algorithms.oneshot.distill import combine_logits, predict_logits
 from fl_platform.core import Broadcast, ClientUpdate, Metrics, RoundContext
 from fl_platform.seeding import Stream, numpy_rng, seed_torch_global
 from fl_platform.training.flat import FlatModel

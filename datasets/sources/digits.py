@@ -7,6 +7,7 @@ import importlib.util
 from pathlib import Path
 
 import numpy as np
+
 from fl_platform.datasets.source import SourceData, standardize, standardized_value
 
 # Mean/std of all 1797 images after /16; fixed so the features never depend on the split.

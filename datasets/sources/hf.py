@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from fl_platform.datasets.paths import DatasetNotFoundError, data_root
 from fl_platform.datasets.source import SourceData, standardize, standardized_value
 from fl_platform.datasets.sources.digits import stratified_split

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from fl_platform.datasets.download import fetch
 from fl_platform.datasets.paths import DatasetNotFoundError, data_root
 from fl_platform.datasets.source import SourceData, standardize, standardized_value

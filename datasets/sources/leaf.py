@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
+
 from fl_platform.datasets.paths import DatasetNotFoundError, data_root
 from fl_platform.datasets.source import SourceData, standardize, standardized_value
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+
 from fl_platform.datasets.download import fetch
 from fl_platform.datasets.paths import DatasetNotFoundError, data_root
 from fl_platform.datasets.source import SourceData

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+
 from fl_platform.datasets.source import SourceData
 
 # Samples per chunk when computing logits: bounds the temporary (samples x features x classes) gather.

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from fl_platform.algorithms.base import AlgorithmConf, AlgorithmSpec, Setup
-from fl_platform.datasets.federated import FederatedDataset
 from torch import nn
 
+from fl_platform.algorithms.base import AlgorithmConf, AlgorithmSpec, Setup
+from fl_platform.datasets.federated import FederatedDataset
 from fl_platform.models import build_model
 from fl_platform.plugins import ImportRoots
 from fl_platform.training.loop import TrainConfig

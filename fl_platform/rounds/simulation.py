@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fl_platform.algorithms.base import ServerAlgorithm
-from fl_platform.datasets.federated import FederatedDataset
 
+from fl_platform.algorithms.base import ServerAlgorithm
 from fl_platform.core import Aggregate, ClientUpdate, Metrics, RoundContext
+from fl_platform.datasets.federated import FederatedDataset
 from fl_platform.outputs import MetricsLog, atomic_write_text
 from fl_platform.reporting import Reporter
 from fl_platform.rounds.checkpoint import Checkpoint, Checkpointer, set_rng_state

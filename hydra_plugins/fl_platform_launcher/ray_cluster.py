@@ -55,7 +55,6 @@ def default_runtime_env() -> dict[str, Any]:
     """The engine's shipped checkout (``engine.runtime_env``'s default when joining a cluster), plus the
     driver's data root as ``$FL_DATA_ROOT`` (absolute), which the shipped copy could not find beside itself."""
     from fl_platform.datasets.paths import ENV_VAR, data_root
-
     from fl_platform.engine.ray_cluster import default_runtime_env as shipped_checkout
 
     return {**shipped_checkout(), "env_vars": {ENV_VAR: str(data_root().resolve())}}

@@ -139,9 +139,9 @@ def child_main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     from common import compose
-    from fl_platform.datasets import federated, registry
 
     import fl_platform.experiment as experiment
+    from fl_platform.datasets import federated, registry
 
     phases: dict[str, float] = {"process start and imports": process_age_s()}
     registry.load_source = _timed(phases, "generate the data", registry.load_source)

@@ -94,8 +94,8 @@ def our_overrides(config: str, model: str, rounds: int, device: str) -> list[str
 def child_plain(config: str, model_name: str, rounds: int, device: str) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
-    from fl_platform.datasets.federated import build_federated_dataset
 
+    from fl_platform.datasets.federated import build_federated_dataset
     from fl_platform.models import build_model
     from fl_platform.rounds.sampling import sample_clients
     from fl_platform.seeding import Stream, seed_torch_global, torch_generator
