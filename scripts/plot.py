@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -159,7 +160,7 @@ def plot(groups: dict[str, list[dict[str, Any]]], out: Path, x: str, metric: str
     ax.set_xlabel(X_AXES.get(x, x))
     ax.set_ylabel(metric.replace("_", " "))
     if title:
-        ax.set_title(title)
+        ax.set_title("\n".join(textwrap.wrap(title, 70)), fontsize=10)  # long titles wrap, never cut
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

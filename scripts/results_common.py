@@ -44,7 +44,7 @@ LEVEL = 0.95
 MAX_ARTEFACT_BYTES = 20 * 2**20  # all documents' artefacts together (issue 17)
 
 # The results scripts, by document: each has main(argv) with --from-artefacts and --no-plots.
-DOCUMENTS = {"heterogeneity": "results_heterogeneity", "baselines": "results_baselines"}
+DOCUMENTS = {"heterogeneity": "results_heterogeneity", "baselines": "results_baselines", "privacy": "results_privacy"}
 
 Run = dict[str, Any]  # {"name", "config" (flattened), "summary", "rows", "stats"}
 
@@ -444,13 +444,15 @@ def verdict(claim: PaperClaim, ours: Interval | None) -> tuple[str, str]:
     return "not reproduced", "the opposite direction in our setting (the interval excludes 0 on the other side)"
 
 
-def verdict_table(rows: Sequence[tuple[PaperClaim, Interval | None, str]]) -> str:
-    """One row per (claim, our paired difference, what 'ours' is measured against)."""
+def verdict_table(rows: Sequence[tuple[PaperClaim, Interval | None, str] | tuple[PaperClaim, Interval | None, str, str]]
+                  ) -> str:
+    """One row per (claim, our paired difference, what 'ours' is measured against[, the 'ours' cell when the
+    interval is not a difference in points, e.g. a speedup's log ratio])."""
     lines = ["| algorithm | paper (closest setting) | paper's number | ours (paired, 95% CI) | differences in setting |"
              " verdict | reason |", "|---|---|---|---|---|---|---|"]
-    for claim, ours, against in rows:
+    for claim, ours, against, *text in rows:
         v, why = verdict(claim, ours)
-        ours_cell = f"{fmt_diff(ours)} vs {against}" if ours is not None and ours.n else "-"
+        ours_cell = text[0] if text else f"{fmt_diff(ours)} vs {against}" if ours is not None and ours.n else "-"
         number = claim.number if claim.number is not None else "not in the specs"
         src = f" ({claim.source})" if claim.source else ""
         lines.append(f"| {claim.algorithm} | {claim.paper_setting}{src} | {number} | {ours_cell} | "
