@@ -1,273 +1,414 @@
 #!/usr/bin/env python
-"""BAOW vs FedAvg + Top-k (uniform ratio, equal average bytes) vs FedAvg -> docs/results/compression.md.
+"""BAOW against uniform Top-k at equal bytes and FedAvg -> docs/results/compression.md.
 
-    nice -n 10 python scripts/results_compression.py             # 3 seeds (about 10 min of 1 CPU core)
-    python scripts/results_compression.py --quick                # a 2-minute check of the whole script
+    nice -n 19 python scripts/results_compression.py --jobs 2     # run what is missing, write the document
+    python scripts/results_compression.py --from-artefacts         # rebuild it from docs/results/data/compression/
+    python scripts/results_compression.py --budget tiny --out /tmp/cmp   # a check of the pipeline (minutes)
+    python scripts/results_compression.py --preset gpu --plan      # BAOW's paper setting (CIFAR-10): what would run
 
-Fashion-MNIST (the IDX files under the data root), Dirichlet(alpha=0.1) over 100 clients, 10 per
-round, an MLP (784-128-10), one local epoch, and ``system=heterogeneous`` (uplinks log-uniform over
-0.2-20 Mbit/s, a 100x range; each downlink 10x its uplink; compute log-normal around 1000
-samples/s; 50 ms latency per transfer). Every method sees the same clients, devices and data.
+CPU settings: Fashion-MNIST, Dirichlet(alpha) label skew with alpha in {0.1, 0.5} over 100 clients,
+10 per round, an MLP (784-128-10), one local epoch, 150 rounds, and ``system=heterogeneous``
+(uplinks log-uniform over 0.2-20 Mbit/s, each downlink 10x its uplink, compute log-normal around
+1000 samples/s, 50 ms per transfer). Every row of a seed sees the same partition, initial model,
+sampled clients and devices.
 
-Methods (all without error feedback, the card's BAOW default, so the Top-k baselines match it):
-  fedavg       uncompressed FedAvg
-  topk_equal   FedAvg + layer-wise Top-k with one ratio for every client, chosen so that the mean
-               upload per client equals BAOW's (computed exactly from the seeds' sampled clients and
-               bandwidths before any training, and checked against the runs' logged bytes)
-  baow         BAOW: BCRS ratios rho_k = min(1, rho0 b_k / b_min) and OPWA aggregation
-  topk_rho0    FedAvg + Top-k at BAOW's straggler ratio rho0 (same straggler bytes, fewer in total)
-  baow_plain   BAOW's ratios with plain FedAvg division instead of OPWA (ablation)
-  baow_cap2    BAOW with OPWA's amplification capped at 2x (gamma_max = 2, the card's safeguard)
-Run directories go to outputs/results/compression/ (not committed); tables and plots to docs/results/.
+Rows: dense FedAvg; the noise floor (FedAvg with only its minibatch orders changed); FedAvg +
+layer-wise Top-k with one ratio for every client, chosen so that the mean upload per client equals
+BAOW's (``EQUAL_RATIO``: from the seeds' sampled clients and bandwidths before any training, see
+``equal_bytes_ratio``; the document checks the runs' logged bytes); FedAvg + Top-k at BAOW's
+straggler ratio rho0 (the card's fairness rule: the same rho0); BAOW (BCRS ratios + OPWA); with
+error feedback (BAOW and the equal-bytes Top-k); BAOW's ratios with plain averaging (BCRS alone);
+OPWA capped at gamma_max = 2; and a rho0 sweep, each rho0 with its own equal-bytes Top-k.
+Method and statistics: scripts/results_common.py and docs/results/README.md.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import math
 import statistics
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO / "scripts" / "bench"))
 
-import plot  # noqa: E402
-import torch  # noqa: E402
-from common import compose, write_section  # noqa: E402
-from fl_platform.algorithms.baow import keep_ratios  # noqa: E402
+import results_common as rc  # noqa: E402
 
-from fl_platform.compression.topk import TopK  # noqa: E402
-from fl_platform.experiment import run_experiment  # noqa: E402
-from fl_platform.models import build_model  # noqa: E402
-from fl_platform.rounds.sampling import sample_clients  # noqa: E402
-from fl_platform.system.model import build_system  # noqa: E402
-from fl_platform.training.flat import FlatModel  # noqa: E402
-
-COMMON = ["dataset=fashion_mnist", "model=mlp", "model.hidden=[128]", "partition=dirichlet", "partition.alpha=0.1",
-          "num_clients=100", "clients_per_round=10", "train.epochs=1", "train.batch_size=32", "train.lr=0.05",
-          "system=heterogeneous", "save_model=false"]
-LABELS = {"fedavg": "FedAvg (dense)", "topk_equal": "FedAvg + Top-k, uniform ratio, BAOW's mean bytes",
-          "baow": "BAOW (BCRS + OPWA)", "topk_rho0": "FedAvg + Top-k at rho0", "baow_plain": "BAOW ratios, plain averaging",
-          "baow_cap2": "BAOW, OPWA capped at gamma_max = 2"}
-
-
-def method_overrides(method: str, rho0: float, rho_equal: float) -> list[str]:
-    topk = ["compressor=topk", "compressor.error_feedback=false", "compressor.index=auto"]
-    return {"fedavg": ["algorithm=fedavg"],
-            "topk_equal": ["algorithm=fedavg", *topk, f"compressor.ratio={rho_equal:.6f}"],
-            "topk_rho0": ["algorithm=fedavg", *topk, f"compressor.ratio={rho0}"],
-            "baow": ["algorithm=baow", f"algorithm.rho0={rho0}"],
-            "baow_plain": ["algorithm=baow", f"algorithm.rho0={rho0}", "algorithm.aggregation=plain"],
-            "baow_cap2": ["algorithm=baow", f"algorithm.rho0={rho0}", "algorithm.gamma_max=2"]}[method]
+DOC = "compression"
+Row, Setting = rc.Row, rc.Setting
+RHO0 = 0.01
+SWEEP = (0.003, 0.03, 0.1)
+ROUNDS = 150
+SEEDS5, SEEDS10 = list(range(5)), list(range(10))
+COMMON = ["dataset=fashion_mnist", "model=mlp", "model.hidden=[128]", "partition=dirichlet", "num_clients=100",
+          "clients_per_round=10", "eval_every=1", "train.epochs=1", "train.batch_size=32", "train.lr=0.05",
+          "system=heterogeneous"]
+# The uniform Top-k ratio whose mean upload per client equals BAOW's at each rho0, over the seeds of
+# the rows that use it (0-9 for rho0 = 0.01, 0-4 for the sweep) and 150 rounds of this setting's
+# sampled clients and bandwidths (equal_bytes_ratio; the bandwidths do not depend on alpha). The
+# document compares the runs' logged bytes.
+EQUAL_RATIO = {0.003: 0.03137, 0.01: 0.140316, 0.03: 0.354791, 0.1: 0.610641}
+TARGETS = (0.90, 0.95)  # time to target: these fractions of dense FedAvg's mean final accuracy
+SPEEDUP_TARGET = 0.90  # the target of the speedup columns and the verdict
 
 
-def topk_bytes(slots, ratio: float) -> int:
-    """One client's layer-wise Top-k upload (int32 indices or bitmap, whichever is smaller)."""
-    return sum(TopK(ratio).payload_nbytes(s.numel) if s.is_param else 4 * s.numel for s in slots)
+def _tag(rho0: float) -> str:
+    return f"{rho0:g}".replace(".", "")
 
 
-def baow_mean_bytes(cfg, slots, seeds: list[int], rounds: int, rho0: float) -> float:
-    """BAOW's mean upload per client over these seeds and rounds, from the sampled clients' bandwidths."""
+def topk(ratio: float, ef: bool = False) -> list[str]:
+    return ["compressor=topk", f"compressor.ratio={ratio:g}", "compressor.index=auto",
+            f"compressor.error_feedback={'true' if ef else 'false'}"]
+
+
+def rows_of(seeds5: list[int], seeds10: list[int], sweep: bool) -> list[Row]:
+    """The rows of one alpha (``sweep``: with the rho0 sweep)."""
+    eq = EQUAL_RATIO[RHO0]
+    rows = [Row("fedavg", "FedAvg (dense)", "fedavg", [], seeds10),
+            Row("topk_equal", "Top-k, uniform ratio, BAOW's mean bytes", "fedavg", topk(eq), seeds10,
+                f"uniform ratio {eq:g}: the mean upload of BAOW at rho0 = {RHO0:g}"),
+            Row("topk_rho0", f"Top-k at rho0 = {RHO0:g} for every client", "fedavg", topk(RHO0), seeds10,
+                "the straggler's ratio for everyone (the card: give Top-k the same rho0)"),
+            Row("baow", "BAOW (BCRS + OPWA)", "baow", [f"algorithm.rho0={RHO0:g}"], seeds10),
+            rc.noise_row(seeds10),
+            Row("baow_ef", "BAOW + error feedback", "baow", [f"algorithm.rho0={RHO0:g}", "algorithm.error_feedback=true"],
+                seeds5, "client residuals (stale between participations)", "baow", 2),
+            Row("topk_equal_ef", "Top-k, uniform ratio, BAOW's mean bytes, + error feedback", "fedavg", topk(eq, True),
+                seeds5, "as topk_equal, with client residuals", "topk_equal", 2),
+            Row("baow_plain", "BAOW's ratios, plain averaging (BCRS alone)", "baow",
+                [f"algorithm.rho0={RHO0:g}", "algorithm.aggregation=plain"], seeds5,
+                "OPWA off: each coordinate divided by the round's total weight", "baow", 2),
+            Row("baow_cap2", "BAOW, OPWA capped at gamma_max = 2", "baow", [f"algorithm.rho0={RHO0:g}",
+                                                                           "algorithm.gamma_max=2"],
+                seeds5, "OPWA's amplification capped at 2x (the card's safeguard)", "baow", 3)]
+    if sweep:
+        for rho0 in SWEEP:
+            rows += [Row(f"baow_rho{_tag(rho0)}", f"BAOW, rho0 = {rho0:g}", "baow", [f"algorithm.rho0={rho0:g}"], seeds5,
+                         f"rho0 = {rho0:g}", "baow", 2),
+                     Row(f"topk_equal_rho{_tag(rho0)}", f"Top-k, uniform ratio, BAOW's mean bytes at rho0 = {rho0:g}",
+                         "fedavg", topk(EQUAL_RATIO[rho0]), seeds5, f"uniform ratio {EQUAL_RATIO[rho0]:g}", "topk_equal", 2)]
+    return rows
+
+
+PAPER = "BAOW (Tang et al., ICPP 2024), specs/baow.md"
+DIFF = ("Fashion-MNIST and an MLP (the paper: CNNs on CIFAR-10/100 and SVHN); uplinks log-uniform over 0.2-20 Mbit/s "
+        "(the paper's bandwidths, client counts, alpha and rho0 were not recovered); rho0 = 0.01; 150 rounds")
+
+
+def claims(alpha: str) -> dict[str, rc.PaperClaim]:
+    return {
+        "baseline": rc.PaperClaim("", "a baseline of the paper", None, None, ""),
+        "accuracy": rc.PaperClaim(f"BAOW vs dense FedAvg, accuracy (alpha {alpha})", "CIFAR-10/100, SVHN, Dirichlet "
+                                  "(the best case over settings)", "up to +13 %", 1, DIFF, PAPER),
+        "speed_rho0": rc.PaperClaim(f"BAOW vs FedAvg + Top-k at the same rho0, time to target (alpha {alpha})",
+                                    "CIFAR-10/100, SVHN, Dirichlet; Top-k baselines", "3.37x (2.02-3.37x)", 1,
+                                    f"{DIFF}; target {SPEEDUP_TARGET:.0%} of dense FedAvg's final accuracy",
+                                    PAPER),
+        "speed_equal": rc.PaperClaim(f"BAOW vs FedAvg + Top-k at equal bytes, time to target (alpha {alpha})",
+                                     "as above (the paper's Top-k baselines; equal bytes is our control)",
+                                     "3.37x (2.02-3.37x)", 1,
+                                     f"{DIFF}; target {SPEEDUP_TARGET:.0%} of dense FedAvg's final accuracy", PAPER),
+        "topk": rc.PaperClaim("Top-k (+EF) vs dense FedAvg", "compressors.md: S-SGD throughput on GPU clusters, no "
+                              "FL accuracy claim", None, None, "federated, not data-centre S-SGD"),
+    }
+
+
+def cpu_settings(budget: str) -> list[Setting]:
+    tiny = budget == "tiny"
+    seeds5, seeds10 = ([0, 1], [0, 1]) if tiny else (SEEDS5, SEEDS10)
+    out = []
+    for k, alpha in enumerate(("0.1", "0.5")):
+        overrides = [*COMMON, f"partition.alpha={alpha}"]
+        if tiny:
+            overrides = [{"train.epochs=1": "train.steps=2", "clients_per_round=10": "clients_per_round=5"}.get(o, o)
+                         for o in overrides]
+        rows = rows_of(seeds5, seeds10, sweep=k == 0)
+        if k:  # alpha 0.5: the sweep and the cap run at alpha 0.1 only; its second-tier rows after alpha 0.1's
+            rows = [r if r.priority == 1 else replace_priority(r, 3) for r in rows if r.tag != "baow_cap2"]
+        out.append(Setting(f"alpha{alpha.replace('.', '')}", f"Fashion-MNIST, Dirichlet({alpha}), 100 clients / 10 per "
+                           "round, MLP, heterogeneous uplinks", overrides, 6 if tiny else ROUNDS, rows,
+                           {"fedavg": ["algorithm=fedavg"], "baow": ["algorithm=baow"]}, paper=claims(alpha)))
+    return out
+
+
+def replace_priority(row: Row, priority: int) -> Row:
+    from dataclasses import replace
+
+    return replace(row, priority=priority)
+
+
+# GPU: BAOW's paper setting as far as the card has it (CIFAR-10, Dirichlet, Top-k FedAvg baselines).
+def gpu_settings() -> list[Setting]:
+    rows = [Row("fedavg", "FedAvg (dense)", "fedavg", [], SEEDS5), rc.noise_row(SEEDS5),
+            Row("topk_equal", "Top-k, uniform ratio, BAOW's mean bytes", "fedavg", topk(EQUAL_RATIO[RHO0]), SEEDS5),
+            Row("topk_rho0", f"Top-k at rho0 = {RHO0:g} for every client", "fedavg", topk(RHO0), SEEDS5),
+            Row("baow", "BAOW (BCRS + OPWA)", "baow", [], SEEDS5)]
+    title = ("CIFAR-10, Dirichlet(0.1), 100 clients / 10 per round, ResNet-18, E = 1, 500 rounds, "
+             "heterogeneous uplinks (conf/experiment/baow_cifar10.yaml)")
+    paper = claims("0.1")
+    return [Setting("cifar10", title, [], 0, rows, {"fedavg": ["algorithm=fedavg"], "baow": ["algorithm=baow"]},
+                    "baow_cifar10", "baow", paper)]
+
+
+def settings_of(budget: str, preset: str) -> list[Setting]:
+    return gpu_settings() if preset == "gpu" else cpu_settings(budget)
+
+
+# ----------------------------------------------------------------------------- equal bytes (run once)
+
+
+def equal_bytes_ratio(rho0: float, seeds: list[int] = SEEDS10, rounds: int = ROUNDS) -> float:
+    """The uniform Top-k ratio whose upload per client equals BAOW's mean over these seeds' sampled clients
+    and bandwidths (bisection on the layer-wise Top-k payload size). How ``EQUAL_RATIO`` was computed:
+    ``python -c "import sys; sys.path.insert(0, 'scripts'); import results_compression as c;
+    print(c.equal_bytes_ratio(0.01), {r: c.equal_bytes_ratio(r, c.SEEDS5) for r in c.SWEEP})"``."""
+    import torch
+
+    from fl_platform.algorithms.baow import keep_ratios
+    from fl_platform.compression.topk import TopK
+    from fl_platform.models import build_model
+    from fl_platform.rounds.sampling import sample_clients
+    from fl_platform.system.model import build_system
+    from fl_platform.training.flat import FlatModel
+
+    sys.path.insert(0, str(REPO / "scripts" / "bench"))
+    from common import compose
+
+    cfg = compose(*COMMON, "partition.alpha=0.1", f"rounds={rounds}")
+    torch.manual_seed(0)
+    slots = FlatModel(build_model("mlp", (1, 28, 28), 10, hidden=[128])).slots
+
+    def nbytes(ratio: float) -> int:
+        return sum(TopK(ratio).payload_nbytes(s.numel) if s.is_param else 4 * s.numel for s in slots)
+
     total = count = 0
     for seed in seeds:
         system = build_system(cfg.system, seed)
         for r in range(rounds):
             clients = sample_clients(seed, r, cfg.num_clients, cfg.clients_per_round)
             ratios = keep_ratios(rho0, {c: system.uplink_bandwidth(c, r) for c in clients})
-            total += sum(topk_bytes(slots, rho) for rho in ratios.values())
+            total += sum(nbytes(rho) for rho in ratios.values())
             count += len(clients)
-    return total / count
-
-
-def equal_bytes_ratio(slots, target: float) -> float:
-    """The uniform Top-k ratio whose per-client upload is closest to ``target`` bytes (bisection)."""
+    target = total / count
     lo, hi = 1e-5, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        if topk_bytes(slots, mid) < target:
-            lo = mid
-        else:
-            hi = mid
-    return lo if abs(topk_bytes(slots, lo) - target) <= abs(topk_bytes(slots, hi) - target) else hi
+        lo, hi = (mid, hi) if nbytes(mid) < target else (lo, mid)
+    return lo if abs(nbytes(lo) - target) <= abs(nbytes(hi) - target) else hi
 
 
-def run_all(methods: list[str], seeds: list[int], rounds: int, rho0: float, rho_equal: float, runs: Path,
-            force: bool) -> dict[str, list[Path]]:
-    out: dict[str, list[Path]] = {m: [] for m in methods}
-    for seed in seeds:
-        for m in methods:
-            path = runs / f"{m}_s{seed}"
-            out[m].append(path)
-            if (path / "summary.json").exists() and not force:
-                continue
-            t0 = time.perf_counter()
-            cfg = compose(*COMMON, f"rounds={rounds}", f"seed={seed}", *method_overrides(m, rho0, rho_equal))
-            s = run_experiment(cfg, path)
-            print(f"{m:11s} seed {seed}: final acc {s['final_test_accuracy']:.4f}  ({time.perf_counter() - t0:.0f} s)",
-                  flush=True)
-    return out
+# ----------------------------------------------------------------------------- measures
 
 
-def run_minutes(runs: dict[str, list[Path]]) -> float:
-    total = 0.0
-    for paths in runs.values():
-        for p in paths:
-            s = json.loads((p / "summary.json").read_text())
-            total += s.get("wall_time_s", 0.0) + s.get("setup_time_s", 0.0)
-    return total / 60
+def upload_kib(run: rc.Run) -> float:
+    """Mean upload per client per round (KiB), from the logged bytes."""
+    return sum(r.get("bytes_up", 0) for r in run["rows"]) / sum(r.get("num_clients", 0) for r in run["rows"]) / 1024
 
 
-def series(path: Path, x: str) -> tuple[list[float], list[float]]:
-    return plot._series(plot.load_run(path), x, "test_accuracy")
+def sim_time(run: rc.Run) -> float:
+    return sum(r.get("simulated_time_s", 0.0) for r in run["rows"])
 
 
-def time_to_target(path: Path, x: str, target: float) -> float | None:
-    xs, ys = series(path, x)
-    return next((xv for xv, yv in zip(xs, ys) if yv >= target), None)
+def time_to(run: rc.Run, target: float, k: int = rc.K_LAST) -> float | None:
+    """Simulated seconds until the mean of the last ``k`` evaluations first reaches ``target`` (None: never)."""
+    t, window = 0.0, []
+    for row in run["rows"]:
+        t += row.get("simulated_time_s", 0.0)
+        if row.get("test_accuracy") is not None:
+            window = [*window[-(k - 1):], float(row["test_accuracy"])] if k > 1 else [float(row["test_accuracy"])]
+            if len(window) == k and statistics.fmean(window) >= target:
+                return t
+    return None
 
 
-def _ms(values: list[float], fmt: str = "{:.1f}") -> str:
-    if not values:
-        return "n/a"
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{fmt.format(statistics.fmean(values))} ± {fmt.format(sd)}"
+def _mean_cell(fn: Callable[[rc.Run], float], fmt: str) -> Callable[[dict[int, rc.Run]], str]:
+    def cell(runs: dict[int, rc.Run]) -> str:
+        return fmt.format(statistics.fmean(fn(r) for r in runs.values()))
+    return cell
 
 
-def summarise(runs: dict[str, list[Path]], targets: list[float]) -> tuple[str, dict[str, Any]]:
-    lines = ["| method | final acc (%) | mean acc, last 50 rounds (%) | round-to-round std, last 50 (points) | "
-             "simulated time, all rounds (s) | slowest upload, summed over rounds (s) | upload / client / round (KiB) | "
-             "upload spread max/min (median) |",
-             "|---|---|---|---|---|---|---|---|"]
-    stats: dict[str, Any] = {}
-    for m, paths in runs.items():
-        rows = [plot.load_run(p)["rows"] for p in paths]
-        final = [100 * r[-1]["test_accuracy"] for r in rows]
-        last = [100 * statistics.fmean(x["test_accuracy"] for x in r[-50:]) for r in rows]
-        swing = [100 * statistics.stdev(x["test_accuracy"] for x in r[-50:]) for r in rows]
-        sim = [sum(x["simulated_time_s"] for x in r) for r in rows]
-        up = [sum(x["sim_upload_max_s"] for x in r) for r in rows]
-        per_client = [sum(x["bytes_up"] for x in r) / sum(x["num_clients"] for x in r) / 1024 for r in rows]
-        spread = [statistics.median(x["sim_upload_max_s"] / x["sim_upload_min_s"] for x in r) for r in rows]
-        stats[m] = {"per_client_bytes": statistics.fmean(per_client) * 1024, "sim_total": sim}
-        lines.append(f"| {LABELS[m]} | {_ms(final)} | {_ms(last)} | {_ms(swing)} | {_ms(sim, '{:.0f}')} | {_ms(up, '{:.0f}')} | "
-                     f"{_ms(per_client)} | {_ms(spread, '{:.1f}')} |")
-    table = "\n".join(lines)
-    for target in targets:
-        table += (f"\n\nTime and upload to reach {100 * target:.0f}% test accuracy (first evaluation at or above it; "
-                  "mean ± std over the seeds that reach it):\n\n"
-                  "| method | seeds reaching it | simulated time (s) | cumulative upload (MiB) | rounds |\n"
-                  "|---|---|---|---|---|")
-        for m, paths in runs.items():
-            t = [v for p in paths if (v := time_to_target(p, "simulated_time_s", target)) is not None]
-            b = [v / 2**20 for p in paths if (v := time_to_target(p, "bytes_up", target)) is not None]
-            rd = [v for p in paths if (v := time_to_target(p, "round", target)) is not None]
-            stats[m][f"t{target}"] = t
-            table += f"\n| {LABELS[m]} | {len(t)}/{len(paths)} | {_ms(t)} | {_ms(b, '{:.2f}')} | {_ms(rd, '{:.0f}')} |"
-    return table, stats
+def targets_of(runs: dict[str, dict[int, rc.Run]]) -> list[float]:
+    """The targets: ``TARGETS`` x dense FedAvg's mean final accuracy, rounded to 0.1 %."""
+    base = statistics.fmean(rc.accuracies(runs["fedavg"]).values())
+    return [round(f * base, 3) for f in TARGETS]
 
 
-def figures(runs: dict[str, list[Path]], out: Path, smooth: int = 5) -> list[Path]:
-    import matplotlib
+def speedup(a: dict[int, rc.Run], b: dict[int, rc.Run], target: float) -> tuple[rc.Interval, str]:
+    """Time-to-target speedup of ``a`` over ``b`` (t_b / t_a), paired by seed, as an interval of its log over
+    the seeds where both reach the target; and the count of seeds that reached it (a, b, both)."""
+    ta = {s: time_to(r, target) for s, r in a.items()}
+    tb = {s: time_to(r, target) for s, r in b.items()}
+    both = sorted(s for s in set(ta) & set(tb) if ta[s] is not None and tb[s] is not None)
+    common = set(ta) & set(tb)
+    iv = rc.interval([math.log(tb[s] / ta[s]) for s in both])
+    reached = (f"{sum(ta[s] is not None for s in common)}/{sum(tb[s] is not None for s in common)}/{len(both)} "
+               f"of {len(common)}")
+    return iv, reached
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
 
-    paths = []
-    for x, label, scale in (("simulated_time_s", "cumulative simulated time (s)", 1.0),
-                            ("bytes_up", "cumulative upload, all clients (MiB)", 1 / 2**20),
-                            ("round", "round", 1.0)):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for m, ps in runs.items():
-            ss = [series(p, x) for p in ps]
-            n = min(len(s[0]) for s in ss)
-            xs = np.mean([s[0][:n] for s in ss], axis=0) * scale
-            ys = 100 * np.array([s[1][:n] for s in ss])
-            if smooth > 1:  # trailing mean over the last ``smooth`` evaluations (the first ones average fewer)
-                c = np.cumsum(ys, axis=1)
-                c[:, smooth:] = c[:, smooth:] - c[:, :-smooth]
-                ys = c / np.minimum(np.arange(1, n + 1), smooth)
-            ax.plot(xs, ys.mean(axis=0), label=f"{LABELS[m]} (n={len(ss)})")
-            ax.fill_between(xs, ys.mean(axis=0) - ys.std(axis=0), ys.mean(axis=0) + ys.std(axis=0), alpha=0.15)
-        if x != "round":
-            ax.set_xscale("log")
-        ax.set_xlabel(label + (" (log scale)" if x != "round" else ""))
-        ax.set_ylabel(f"test accuracy (%), trailing mean of {smooth} rounds" if smooth > 1 else "test accuracy (%)")
-        ax.set_title("Fashion-MNIST, Dirichlet(0.1), 100 clients / 10 per round, heterogeneous uplinks")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out / f"accuracy_vs_{x}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
-    return paths
+def fmt_ratio(iv: rc.Interval) -> str:
+    """An interval of a log ratio, as ``x [lo, hi]`` (factor)."""
+    if iv.n == 0:
+        return "-"
+    if iv.n < 2 or iv.half != iv.half:
+        return f"{math.exp(iv.mean):.2f}x"
+    return f"{math.exp(iv.mean):.2f}x [{math.exp(iv.lo):.2f}, {math.exp(iv.hi):.2f}]"
+
+
+# ----------------------------------------------------------------------------- sections
+
+# (row, against, what the comparison isolates)
+PAIRS = [("baow", "topk_equal", "BAOW vs one ratio for everyone, equal mean bytes"),
+         ("baow", "topk_rho0", "BAOW vs the straggler's ratio for everyone (the paper's Top-k baseline: same rho0)"),
+         ("baow_plain", "topk_equal", "BCRS alone (plain averaging) vs one ratio, equal mean bytes"),
+         ("baow", "baow_plain", "OPWA's effect (same ratios and bytes)"),
+         ("baow_cap2", "baow", "capping OPWA's amplification at 2x"),
+         ("baow_ef", "topk_equal_ef", "BAOW vs one ratio, equal bytes, both with error feedback"),
+         ("baow_ef", "baow", "error feedback's effect on BAOW"),
+         ("topk_equal_ef", "topk_equal", "error feedback's effect on uniform Top-k")]
+
+
+def pair_table(s: Setting, runs: dict[str, dict[int, rc.Run]], pairs: list[tuple[str, str, str]], target: float
+               ) -> tuple[str, dict[tuple[str, str], tuple[rc.Interval, rc.Interval]]]:
+    header = ["row", "against", "what it isolates", "upload KiB/client/round (row / against)", "seeds",
+              "accuracy difference (paired, 95% CI)", "p", "reading",
+              f"speedup to {100 * target:.1f} % (t_against / t_row, 95% CI)", "reached (row/against/both)", "reading "]
+    rows, out = [], {}
+    for a, b, what in pairs:
+        ra, rb = runs.get(a), runs.get(b)
+        if not ra or not rb:
+            continue
+        d = rc.paired(rc.accuracies(ra), rc.accuracies(rb))
+        sp, reached = speedup(ra, rb, target)
+        out[(a, b)] = (d, sp)
+        kib = f"{statistics.fmean(upload_kib(r) for r in ra.values()):.1f} / {statistics.fmean(upload_kib(r) for r in rb.values()):.1f}"
+        rows.append([s.row(a).label, s.row(b).label, what, kib, str(d.n), rc.fmt_diff(d), rc.fmt_p(d), rc.reading(d),
+                     fmt_ratio(sp), reached, rc.reading(sp, "faster", "slower")])
+    return rc.md_table(header, rows), out
+
+
+def target_table(s: Setting, runs: dict[str, dict[int, rc.Run]], tags: list[str], targets: list[float]) -> str:
+    header = ["row"] + [f"to {100 * t:.1f} %: seeds reaching, simulated s (mean ± 95% CI)" for t in targets] + [
+        "simulated s, all rounds", "slowest upload per round (s)"]
+    rows = []
+    for tag in tags:
+        r = runs.get(tag)
+        if not r:
+            continue
+        cells = [s.row(tag).label]
+        for t in targets:
+            times = [v for v in (time_to(run, t) for run in r.values()) if v is not None]
+            cells.append(f"{len(times)}/{len(r)}: {_fmt_s(rc.interval(times)) if times else '-'}")
+        cells.append(_fmt_s(rc.interval([sim_time(run) for run in r.values()])))
+        cells.append(f"{statistics.fmean(statistics.fmean(x['sim_upload_max_s'] for x in run['rows']) for run in r.values()):.2f}")
+        rows.append(cells)
+    return rc.md_table(header, rows)
+
+
+def _fmt_s(iv: rc.Interval) -> str:
+    return f"{iv.mean:.0f}" if iv.n < 2 else f"{iv.mean:.0f} ± {iv.half:.0f}"
+
+
+def sweep_table(s: Setting, runs: dict[str, dict[int, rc.Run]], target: float) -> str:
+    header = ["rho0", "BAOW mean keep ratio", "uniform Top-k ratio", "upload KiB/client/round (BAOW / Top-k)", "seeds",
+              "BAOW accuracy", "BAOW minus Top-k (95% CI)", "reading", "BAOW minus FedAvg (95% CI)", "reading ",
+              f"speedup to {100 * target:.1f} % over Top-k", "reached (BAOW/Top-k/both)"]
+    fedavg = rc.accuracies(runs["fedavg"])
+    rows = []
+    for rho0 in sorted((*SWEEP, RHO0)):
+        a, b = ("baow", "topk_equal") if rho0 == RHO0 else (f"baow_rho{_tag(rho0)}", f"topk_equal_rho{_tag(rho0)}")
+        ra, rb = runs.get(a), runs.get(b)
+        if not ra or not rb:
+            continue
+        acc = rc.accuracies(ra)
+        d, dfa = rc.paired(acc, rc.accuracies(rb)), rc.paired(acc, fedavg)
+        sp, reached = speedup(ra, rb, target)
+        ratio = statistics.fmean(row["baow_mean_ratio"] for run in ra.values() for row in run["rows"] if "baow_mean_ratio" in row)
+        kib = f"{statistics.fmean(upload_kib(r) for r in ra.values()):.1f} / {statistics.fmean(upload_kib(r) for r in rb.values()):.1f}"
+        rows.append([f"{rho0:g}", f"{ratio:.3f}", f"{EQUAL_RATIO[rho0]:g}", kib, str(d.n),
+                     rc.fmt_mean(rc.interval(list(acc.values()))), rc.fmt_diff(d), rc.reading(d), rc.fmt_diff(dfa),
+                     rc.reading(dfa), fmt_ratio(sp), reached])
+    if not rows:
+        return ""
+    return ("### rho0 sweep\n\nEach rho0 against its own uniform Top-k at equal mean bytes (seeds 0-4; rho0 = "
+            f"{RHO0:g} is the main rows' {len(rc.accuracies(runs['baow']))} seeds).\n\n" + rc.md_table(header, rows))
+
+
+def section(s: Setting, cells: dict[str, dict[int, rc.Run]], plots: Path | None, suffix: str
+            ) -> tuple[str, list[tuple[rc.PaperClaim, rc.Interval | None, str, str]]]:
+    runs = rc.setting_runs(s, cells)
+    if not runs["fedavg"]:
+        return rc.setting_header(s) + "Not run yet.\n", []
+    tags = [r.tag for r in s.rows if not r.tag.startswith(("baow_rho", "topk_equal_rho"))]
+    tags = [*[t for t in tags if t != rc.NOISE], rc.NOISE]
+    extra = {"upload KiB/client/round": _mean_cell(upload_kib, "{:.1f}"),
+             "simulated s, all rounds": _mean_cell(sim_time, "{:.0f}")}
+    table, diffs = rc.main_table(s, cells, tags, extra)
+    targets = targets_of(runs)
+    target = targets[TARGETS.index(SPEEDUP_TARGET)]
+    pairs, found = pair_table(s, runs, PAIRS, target)
+    eq_bytes = ""
+    if runs.get("baow") and runs.get("topk_equal"):
+        kb, kt = (statistics.fmean(upload_kib(r) for r in runs[t].values()) for t in ("baow", "topk_equal"))
+        eq_bytes = (f"Equal bytes, checked from the artefacts: BAOW sent {kb:.2f} KiB per client per round on average, "
+                    f"uniform Top-k at ratio {EQUAL_RATIO[RHO0]:g} {kt:.2f} KiB ({100 * (kt / kb - 1):+.1f} %); "
+                    f"dense FedAvg {statistics.fmean(upload_kib(r) for r in runs['fedavg'].values()):.1f} KiB.\n\n")
+    main_tags = ["fedavg", "topk_equal", "topk_rho0", "baow", "baow_ef", "baow_plain"]
+    plot_tags = [t for t in main_tags if runs.get(t)]
+    text = (rc.setting_header(s) + "Rows:\n" + rc.rows_list(s, tags) + "\n" + table + "\n" + eq_bytes
+            + "### BAOW against Top-k, paired by seed\n\nAccuracy: the mean of the last 5 evaluations. Time to target: "
+            f"the simulated seconds until the mean of the last {rc.K_LAST} evaluations first reaches the target "
+            f"({SPEEDUP_TARGET:.0%} of dense FedAvg's mean final accuracy here); the speedup is the geometric mean over "
+            "the seeds where both reach it, its 95% interval from the paired t-interval of the log ratio.\n\n" + pairs
+            + "\n### Time to target\n\nTargets: " + ", ".join(f"{100 * t:.1f} %" for t in targets)
+            + f" ({', '.join(f'{f:.0%}' for f in TARGETS)} of dense FedAvg's mean final accuracy).\n\n"
+            + target_table(s, runs, [t for t in tags if t != rc.NOISE], targets) + "\n")
+    sweep = sweep_table(s, runs, target)
+    if sweep:
+        text += sweep + "\n"
+    for x, what in (("round", "round"), ("bytes_up", "cumulative upload"), ("simulated_time_s", "simulated time")):
+        name = f"{DOC}_{s.name}_{x}{suffix}.png"
+        if plots is not None:
+            rc.plot_cells({s.row(t).label: list(runs[t].values()) for t in plot_tags}, plots / name,
+                          f"alpha {s.name[5:6]}.{s.name[6:]}: test accuracy vs {what}, mean and 95% band", x=x)
+        text += f"![accuracy vs {what}]({name})\n"
+    alpha = f"{s.name[5:6]}.{s.name[6:]}"
+    verdicts: list[tuple[rc.PaperClaim, rc.Interval | None, str, str]] = []
+    if "baow" in diffs:
+        verdicts.append((s.paper["accuracy"], diffs["baow"], "FedAvg", f"{rc.fmt_diff(diffs['baow'])} points vs FedAvg"))
+    for key, against in (("speed_rho0", "topk_rho0"), ("speed_equal", "topk_equal")):
+        if ("baow", against) in found:
+            sp = found[("baow", against)][1]
+            verdicts.append((s.paper[key], sp, against, f"{fmt_ratio(sp)} ({sp.n} seeds reaching)"))
+    for tag in ("topk_equal", "topk_equal_ef"):
+        if tag in diffs:
+            claim = rc.PaperClaim(f"{s.row(tag).label} (alpha {alpha})", s.paper["topk"].paper_setting, None, None,
+                                  s.paper["topk"].differences)
+            verdicts.append((claim, diffs[tag], "FedAvg", f"{rc.fmt_diff(diffs[tag])} points vs FedAvg"))
+    return text, verdicts
+
+
+def build(settings: list[Setting], cells: dict[str, dict[int, rc.Run]], plots: Path | None, command: str,
+          artefacts: Path) -> str:
+    suffix = rc.suffix_of(DOC, artefacts)
+    sections, verdicts = [], []
+    for s in settings:
+        text, v = section(s, cells, plots, suffix)
+        sections.append(text)
+        verdicts += v
+    gpu = any(s.preset for s in settings)
+    return ("# Compression: BAOW vs uniform Top-k at equal bytes vs FedAvg" + (" (GPU preset)" if gpu else "") + "\n\n"
+            f"{rc.provenance(DOC, artefacts, cells, command)}\n\n"
+            "Every compressed row runs without error feedback unless its name says so (the card's BAOW default, matched "
+            "by the Top-k rows); Top-k is layer-wise, with int32 indices or a bitmap, whichever is smaller, counted in "
+            "the upload bytes. Simulated time: per round, the slowest sampled client's download + compute + upload "
+            f"under the system model. {rc.method_paragraph()}\n\n"
+            "## Verdict against the paper\n\n" + rc.verdict_table(verdicts) + "\n" + "\n".join(sections))
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--rounds", type=int, default=150)
-    ap.add_argument("--rho0", type=float, default=0.01)
-    ap.add_argument("--targets", type=float, nargs="+", default=[0.65, 0.70, 0.75, 0.78])
-    ap.add_argument("--methods", nargs="+",
-                    default=["fedavg", "topk_equal", "baow", "topk_rho0", "baow_plain", "baow_cap2"],
-                    choices=sorted(LABELS))
-    ap.add_argument("--quick", action="store_true", help="1 seed, 8 rounds, into outputs/.../quick and /tmp")
-    ap.add_argument("--force", action="store_true", help="rerun runs whose summary.json exists")
-    ap.add_argument("--runs", type=Path, default=REPO / "outputs" / "results" / "compression")
-    ap.add_argument("--doc", type=Path, default=REPO / "docs" / "results" / "compression.md")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.seeds, args.rounds, args.targets = [0], 8, [0.5]
-        args.runs, args.doc = args.runs / "quick", Path("/tmp/results_compression_quick.md")
-    torch.set_num_threads(1)  # one core per run: two threads on a shared 2-core machine only spin
-    t0 = time.perf_counter()
-    cfg = compose(*COMMON, f"rounds={args.rounds}")
-    torch.manual_seed(0)
-    fm = FlatModel(build_model("mlp", (1, 28, 28), 10, hidden=[128]))
-    target_bytes = baow_mean_bytes(cfg, fm.slots, args.seeds, args.rounds, args.rho0)
-    rho_equal = equal_bytes_ratio(fm.slots, target_bytes)
-    print(f"BAOW mean upload per client {target_bytes / 1024:.1f} KiB -> uniform Top-k ratio {rho_equal:.4f} "
-          f"({topk_bytes(fm.slots, rho_equal) / 1024:.1f} KiB); dense {4 * len(fm) / 1024:.1f} KiB", flush=True)
-    runs = run_all(args.methods, args.seeds, args.rounds, args.rho0, rho_equal, args.runs, args.force)
-    table, stats = summarise(runs, args.targets)
-    if "baow" in stats:
-        measured = stats["baow"]["per_client_bytes"]
-        assert abs(measured - target_bytes) <= 1e-6 * target_bytes, (measured, target_bytes)
-    figs = figures(runs, args.doc.parent / "compression")
-    cmd = "nice -n 10 python scripts/results_compression.py" + ("" if args.seeds == [0, 1, 2] else
-                                                                f" --seeds {' '.join(map(str, args.seeds))}")
-    body = "\n".join([
-        f"Reproduce: `{cmd}`" + (f" `--rounds {args.rounds}`" if args.rounds != 150 else "") +
-        f" (seeds {', '.join(map(str, args.seeds))}; the {sum(map(len, runs.values()))} runs took "
-        f"{run_minutes(runs):.0f} min of wall time in total on this shared 2-core machine, one torch thread each; "
-        "run dirs in `outputs/results/compression/`, reused when present).",
-        "",
-        f"Setup: `{' '.join(COMMON)} rounds={args.rounds}`; rho0 = {args.rho0}. BAOW's mean upload is "
-        f"{target_bytes / 1024:.2f} KiB per client per round (dense: {4 * len(fm) / 1024:.1f} KiB), so the "
-        f"equal-bytes uniform Top-k ratio is {rho_equal:.4f}.",
-        "",
-        table,
-        "",
-        "Figures: mean over seeds (band: ± one std over seeds) of the test accuracy, a trailing mean over 5 "
-        "rounds; x axes are cumulative (log scale for time and bytes).",
-        "",
-        *[f"![{p.stem}](compression/{p.name})" for p in figs],
-    ])
-    if not args.doc.exists():
-        args.doc.parent.mkdir(parents=True, exist_ok=True)
-        args.doc.write_text("# Compression: BAOW vs uniform Top-k vs FedAvg\n")
-    write_section(args.doc, "results", body, title="# Compression: BAOW vs uniform Top-k vs FedAvg")
-    (args.runs / "stats.json").write_text(json.dumps(stats, indent=1, default=str))
-    print(table)
-    print(f"wrote {args.doc} and {len(figs)} figures in {time.perf_counter() - t0:.0f} s")
-    return 0
+    return rc.cli(DOC, argv, __doc__, settings_of, build, presets=("cpu", "gpu"))
 
 
 if __name__ == "__main__":

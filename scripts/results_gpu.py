@@ -6,7 +6,9 @@
 
 Runs each document's ``--preset gpu`` (the presets in conf/experiment/, one per paper's main
 setting: ResNet-18 on CIFAR-10 with Dirichlet(0.1) over 10 clients, 5 per round, the papers'
-rounds and local epochs, ...) and writes docs/results/<document>_gpu.md with the same sections as
+rounds and local epochs, ...; the one-shot papers' 5 clients with Dirichlet(0.5) and 200 local
+epochs, FuseFL's width-20 ResNet-18 with 100 epochs per block, BAOW's CIFAR-10 with 100 clients and
+heterogeneous uplinks) and writes docs/results/<document>_gpu.md with the same sections as
 the CPU documents, its artefacts under docs/results/data/<document>_gpu/. Stops with a clear
 message, before running anything, when a dataset is missing under the data root
 ($FL_DATA_ROOT, else ../shared/data): CIFAR-10 must be in cifar-10-batches-py/ there, FEMNIST
@@ -23,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Documents with a GPU preset (their script's rc.cli(..., presets=("cpu", "gpu"))).
-GPU_DOCUMENTS = ["heterogeneity"]
+GPU_DOCUMENTS = ["heterogeneity", "oneshot", "compression"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,229 @@
+"""The results documents follow from their committed artefacts alone, and the statistics and run
+plumbing behind them (scripts/results_common.py) do what docs/results/README.md says."""
+
+from __future__ import annotations
+
+import gzip
+import importlib
+import json
+import re
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from scipy import stats
+
+from .conftest import compose_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import results_common as rc  # scripts/ is not a package
+
+# ----------------------------------------------------------------------------- the documents
+
+
+@pytest.mark.parametrize("doc", sorted(rc.DOCUMENTS))
+def test_document_rebuilds_from_its_artefacts_unchanged(doc, tmp_path):
+    committed = (rc.DOCS / f"{doc}.md").read_text()
+    module = importlib.import_module(rc.DOCUMENTS[doc])
+    assert module.main(["--from-artefacts", "--no-plots", "--out", str(tmp_path)]) == 0
+    rebuilt = (tmp_path / f"{doc}.md").read_text()
+    assert rc.generated_part(rebuilt) == rc.generated_part(committed)
+    assert rc.MARKER in committed  # the hand-written findings follow the generated part
+    for png in re.findall(r"\]\(([^)]+\.png)\)", committed):  # every linked plot is committed
+        assert (rc.DOCS / png).is_file(), png
+
+
+def test_artefacts_stay_small_and_name_no_machine_path():
+    assert rc.artefact_bytes() < rc.MAX_ARTEFACT_BYTES
+    for path in rc.DATA.rglob("*"):
+        if path.is_file() and path.suffix in (".json", ".yaml"):
+            text = path.read_text()
+            assert str(rc.REPO) not in text and "/tmp/" not in text, path
+
+
+# ----------------------------------------------------------------------------- statistics
+
+A = {0: 0.70, 1: 0.64, 2: 0.69, 3: 0.73, 4: 0.66}
+B = {1: 0.60, 2: 0.66, 3: 0.65, 4: 0.63, 5: 0.99}  # seed 5 has no partner in A, seed 0 none in B
+
+
+def test_paired_interval_is_the_paired_t_test_over_common_seeds():
+    iv = rc.paired(A, B)
+    seeds = [1, 2, 3, 4]
+    a, b = [A[s] for s in seeds], [B[s] for s in seeds]
+    lo, hi = stats.t.interval(0.95, 3, loc=statistics.fmean(a) - statistics.fmean(b),
+                              scale=stats.sem([x - y for x, y in zip(a, b)]))
+    assert iv.n == 4
+    assert iv.lo == pytest.approx(lo, abs=1e-12) and iv.hi == pytest.approx(hi, abs=1e-12)
+    assert iv.p == pytest.approx(stats.ttest_rel(a, b).pvalue, abs=1e-12)
+
+
+def test_reading_claims_a_direction_only_when_the_interval_excludes_zero():
+    up = rc.interval([0.02, 0.03, 0.025, 0.028])
+    down = rc.interval([-0.02, -0.03, -0.025])
+    across = rc.interval([0.05, -0.01, 0.02])
+    assert (up.sign, down.sign, across.sign) == (1, -1, 0)
+    assert rc.reading(up) == "higher" and rc.reading(down) == "lower"
+    assert rc.reading(across) == "no detectable difference"
+    assert rc.reading(rc.interval([0.3])) == "too few seeds"
+    assert rc.fmt_diff(across).startswith("+2.00 [") and rc.fmt_mean(rc.interval([0.5, 0.7])).startswith("60.00 ± ")
+
+
+def _run(accs, every=2, name="r"):
+    rows = []
+    for i, a in enumerate(accs, 1):
+        rows.append({"round": 2 * i - 1, "round_time_s": 1.0})
+        rows.append({"round": 2 * i, "round_time_s": 3.0, "test_accuracy": a} if every == 2 else {"round": 2 * i})
+    return {"name": name, "rows": rows}
+
+
+def test_final_accuracy_is_the_mean_of_the_last_k_evaluations_never_the_best():
+    run = _run([0.1, 0.9, 0.2, 0.3, 0.4, 0.5, 0.6])
+    assert rc.final_accuracy(run) == pytest.approx((0.2 + 0.3 + 0.4 + 0.5 + 0.6) / 5)
+    assert rc.final_accuracy(run, upto_round=10) == pytest.approx((0.1 + 0.9 + 0.2 + 0.3 + 0.4) / 5)
+    assert rc.final_accuracy(run, k=2, upto_round=9) == pytest.approx((0.2 + 0.3) / 2)  # rounds 6 and 8
+    with pytest.raises(ValueError, match="no test_accuracy"):
+        rc.final_accuracy({"name": "x", "rows": [{"round": 1}]})
+
+
+def test_equal_compute_round_and_cpu_per_round():
+    def run(cpu, evaluated):
+        rows = [{"round": i + 1, **({"test_accuracy": 0.5} if i in evaluated else {})} for i in range(len(cpu))]
+        return {"rows": rows, "stats": {"row_cpu_s": cpu}}
+
+    # increments 4 (start-up, skipped), 1, 5 (evaluated), 2 | 9 (evaluated), 3, 7: median of 1, 2, 3, 7
+    runs = [run([10, 11, 16, 18], {2}), run([5, 14, 17, 24], {1})]
+    assert rc.cpu_per_round(runs) == 2.5
+    assert rc.cpu_per_round([run([0, 1, 5, 6], {0, 1, 2, 3})]) == 1  # every round evaluated: all increments
+    with pytest.raises(ValueError, match="row_cpu_s"):
+        rc.cpu_per_round([{"rows": [{}], "stats": {}}])
+    evals = list(range(2, 101, 2))
+    assert rc.equal_compute_round(1.6, 30, evals) == 48
+    assert rc.equal_compute_round(1.75, 30, evals) == 52  # 52.5: a tie of 52 and 54 goes to the earlier
+    assert rc.equal_compute_round(1.0, 30, evals) == 30
+    assert rc.equal_compute_round(5.0, 30, evals) == 100
+
+
+def test_verdicts():
+    claim = rc.PaperClaim("X", "setting", None, 1, "smaller model")
+    up, flat, down = rc.interval([0.02, 0.03, 0.025]), rc.interval([0.05, -0.01, 0.02]), rc.interval([-0.02, -0.03, -0.025])
+    assert rc.verdict(claim, up)[0] == "direction only"
+    assert rc.verdict(claim, flat) == ("not reproduced", "no detectable difference in our setting (the interval "
+                                       "includes 0)")
+    assert rc.verdict(claim, down)[0] == "not reproduced" and "opposite" in rc.verdict(claim, down)[1]
+    assert rc.verdict(rc.PaperClaim("B", "s", None, None, ""), up)[0] == "not comparable"
+
+
+# ----------------------------------------------------------------------------- presets, data, documents
+
+
+@pytest.mark.parametrize("preset", ["fedimpro_cifar10", "vhl_cifar10", "fedimpro_femnist"])
+def test_preset_overrides_compose_the_preset_and_let_another_algorithm_run_in_it(preset):
+    whole = OmegaConf.to_container(compose_config(f"+experiment={preset}"), resolve=True)
+    assert OmegaConf.to_container(compose_config(*rc.preset_overrides(preset, with_algorithm=True)),
+                                  resolve=True) == whole
+    other = OmegaConf.to_container(compose_config(*rc.preset_overrides(preset), "algorithm=fedavg"), resolve=True)
+    assert other["algorithm"]["name"] == "fedavg"
+    assert {k: v for k, v in other.items() if k != "algorithm"} == {k: v for k, v in whole.items() if k != "algorithm"}
+
+
+def test_gpu_plan_lists_the_papers_settings_and_stops_on_missing_data(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FL_DATA_ROOT", str(tmp_path))  # an empty data root
+    het = importlib.import_module("results_heterogeneity")
+    assert het.main(["--preset", "gpu", "--plan", "--artefacts", str(tmp_path / "art")]) == 2
+    out = capsys.readouterr().out
+    assert "cifar10_fedimpro/fedimpro/s0: python -m fl_platform.run +experiment=fedimpro_cifar10" in out
+    baseline = next(line for line in out.splitlines() if line.startswith("cifar10_vhl/fedavg/s0:"))
+    assert "dataset=cifar10" in baseline and "train.momentum=0.9" in baseline and "algorithm=fedavg" in baseline
+    assert "MISSING" in out and "dataset 'cifar10' not found" in out
+    assert het.main(["--preset", "gpu", "--artefacts", str(tmp_path / "art")]) == 2  # runs nothing
+    assert not (tmp_path / "art").exists()
+
+
+def test_check_data_wants_every_writer_a_setting_uses(monkeypatch):
+    import fl_platform.datasets.registry as registry
+
+    class Source:
+        has_groups, num_groups = True, 105
+
+    monkeypatch.setattr(registry, "load_source", lambda name: Source())
+    assert rc.check_data(["femnist"], {"femnist": 105}) == []
+    (msg,) = rc.check_data(["femnist"], {"femnist": 3400})
+    assert "holds 105 writers" in msg and "needs 3400" in msg
+
+
+def test_document_keeps_its_hand_written_findings(tmp_path):
+    path = tmp_path / "doc.md"
+    rc.write_document(path, "# generated 1\n", "default findings\n")
+    assert path.read_text() == f"# generated 1\n\n{rc.MARKER}\ndefault findings\n"
+    path.write_text(path.read_text().replace("default findings", "hand-written"))
+    rc.write_document(path, "# generated 2\n")
+    assert path.read_text() == f"# generated 2\n\n{rc.MARKER}\nhand-written\n"
+    assert rc.generated_part(path.read_text()) == "# generated 2\n\n"
+
+
+# ----------------------------------------------------------------------------- runs and artefacts
+
+
+def test_a_run_leaves_an_artefact_that_loads_back_and_is_not_rerun(tmp_path):
+    job = rc.Job("digits/fedavg", 3, ["dataset=digits", "model=mlp", "model.hidden=[8]", "num_clients=5",
+                                      "clients_per_round=5", "rounds=2", "train.epochs=1", *rc.TAIL, "seed=3"])
+    runs, art = tmp_path / "runs", tmp_path / "art"
+    stats_ = rc.run_job(job, runs, art, rc.code_snapshot("worktree"))
+    assert stats_["cpu_s"] > 0 and stats_["commit"].endswith("+worktree") and stats_["overrides"] == job.overrides
+    cpu = stats_["row_cpu_s"]  # the process's CPU time at each metrics row
+    assert len(cpu) == 2 and 0 < cpu[0] <= cpu[1] <= stats_["cpu_s"]
+    folder = art / "digits" / "fedavg" / "s3"
+    assert sorted(p.name for p in folder.iterdir()) == ["config.yaml", "metrics.jsonl.gz", "run.json", "summary.json"]
+    first = (folder / "metrics.jsonl.gz").read_bytes()
+    rows = [json.loads(x) for x in (runs / job.name / "metrics.jsonl").read_text().splitlines()]
+    assert [json.loads(x) for x in gzip.decompress(first).decode().splitlines()] == rows
+    (run,) = rc.load_cells(art)["digits/fedavg"].values()
+    assert run["rows"] == rows and run["summary"]["seed"] == 3 and run["config"]["num_clients"] == 5
+    rc.export_artefact(runs / job.name, folder)
+    assert (folder / "metrics.jsonl.gz").read_bytes() == first  # no timestamp in the gzip header
+    shutil.rmtree(runs)
+    rc.run_job(job, runs, art, rc.code_snapshot("worktree"))  # the artefact exists: nothing runs
+    assert not runs.exists()
+    (runs / "x").mkdir(parents=True)
+    for name in ("summary.json", "config.yaml", "metrics.jsonl"):
+        shutil.copy(folder / name if name != "metrics.jsonl" else folder / "run.json", runs / "x" / name)
+    (runs / "x" / "run.json").write_text(json.dumps({"note": f"{tmp_path}/somewhere"}))
+    with pytest.raises(ValueError, match="machine path"):
+        rc.export_artefact(runs / "x", tmp_path / "refused")
+
+
+def _fake_artefact(folder, accs, cpu_per_round):
+    """A run's artefact with given evaluations (every other round) and CPU cost per round."""
+    folder.mkdir(parents=True)
+    rows = [{"round": r, **({"test_accuracy": accs[r // 2 - 1]} if r % 2 == 0 else {})} for r in range(1, 2 * len(accs) + 1)]
+    (folder / "metrics.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    (folder / "summary.json").write_text(json.dumps({"seed": int(folder.name[1:])}))
+    (folder / "config.yaml").write_text("seed: 0\n")
+    cpu = [5 + cpu_per_round * (i + 1) for i in range(len(rows))]
+    (folder / "run.json").write_text(json.dumps({"cpu_s": cpu[-1], "commit": "abc", "row_cpu_s": cpu}))
+
+
+def test_the_gpu_document_builds_with_the_same_sections(tmp_path):
+    """The --preset gpu document from (synthetic) artefacts: verdicts follow the intervals."""
+    het = importlib.import_module("results_heterogeneity")
+    art = tmp_path / "art"
+    for seed in range(5):
+        for tag, gain in (("fedavg", 0.0), ("fedavg_shuffle", 0.001 * (seed - 2)), ("fedprox", 0.0),
+                          ("scaffold", 0.0), ("fedimpro", 0.03 + 0.002 * seed)):
+            _fake_artefact(art / "cifar10_fedimpro" / tag / f"s{seed}", [0.5 + 0.01 * seed + gain] * 6, 1.0)
+        for tag, gain in (("fedavg", 0.0), ("fedavg_shuffle", 0.0), ("vhl", 0.01 * (seed - 2))):
+            _fake_artefact(art / "cifar10_vhl" / tag / f"s{seed}", [0.6 + 0.01 * seed + gain] * 6, 2.0)
+    assert het.main(["--preset", "gpu", "--from-artefacts", "--artefacts", str(art), "--out", str(tmp_path),
+                     "--no-plots"]) == 0
+    text = (tmp_path / "heterogeneity_gpu.md").read_text()
+    verdicts = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if "**" in line}
+    assert "**direction only**" in verdicts["FedImpro (cifar10_fedimpro)"]
+    assert "**not reproduced**" in verdicts["VHL (cifar10_vhl)"]
+    assert "**not comparable**" in verdicts["SCAFFOLD (cifar10_fedimpro)"]
+    assert "| FedImpro | 5 | 55.40 ± 2.36 | +3.40 [+3.01, +3.79] | <0.001 | higher |" in text  # paired: +3 + 0.2 seed
+    assert "- FedProx: `algorithm=fedprox algorithm.mu=0.1`" in text and "- FedImpro: `+experiment=fedimpro_cifar10`" in text
+    assert text.count("Not run yet.") == 3  # the FMNIST and FEMNIST presets
