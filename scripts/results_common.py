@@ -493,6 +493,16 @@ def cpu_hours(cells: dict[str, dict[int, Run]]) -> float:
     return sum(run["stats"]["cpu_s"] for runs in cells.values() for run in runs.values()) / 3600
 
 
+def save_figure(fig: Any, path: Path) -> None:
+    """Lay out, write as a PNG without a timestamp (a rebuild leaves committed plots unchanged) and close."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, metadata={"Software": None})
+    plt.close(fig)
+
+
 def plot_cells(groups: dict[str, list[Run]], path: Path, title: str, x: str = "round",
                metric: str = "test_accuracy") -> None:
     """Accuracy curves with 95% bands over seeds (scripts/plot.py), PNG without a timestamp."""

@@ -315,10 +315,7 @@ def plot_budget(curves: dict[str, tuple[rc.Interval, rc.Interval]], path: Path) 
     ax.set_title("One-shot methods: accuracy against their budget")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    rc.save_figure(fig, path)
 
 
 def plot_accuracies(s: Setting, cells: dict[str, dict[int, rc.Run]], path: Path) -> None:
@@ -336,10 +333,7 @@ def plot_accuracies(s: Setting, cells: dict[str, dict[int, rc.Run]], path: Path)
     ax.set_yticks(ys, [m.label for m, _ in shown], fontsize=7)
     ax.set_xlabel("test accuracy (%), mean and 95% CI over seeds")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    rc.save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------- verdicts

@@ -171,10 +171,7 @@ def plot_epsilon(s: rc.Setting, cells: dict[str, dict[int, rc.Run]], path: Path)
     ax.set_title(f"{s.title}:\naccuracy vs epsilon", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    rc.save_figure(fig, path)
 
 
 def section(s: rc.Setting, cells: dict[str, dict[int, rc.Run]], plots: Path | None, suffix: str) -> str:
