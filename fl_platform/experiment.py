@@ -23,8 +23,8 @@ from fl_platform.config import options_of, unknown_keys
 from fl_platform.datasets.federated import FederatedDataset, build_federated_dataset
 from fl_platform.models import check_model_input
 from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
-from fl_platform.privacy.config import privacy_conf, sampling_of
-from fl_platform.privacy.setup import server_privacy_for
+from fl_platform.privacy.config import sampling_of
+from fl_platform.privacy.setup import resolved_privacy, server_privacy_for
 from fl_platform.reporting import Reporter
 from fl_platform.rounds.checkpoint import Checkpointer
 from fl_platform.rounds.engine import Engine
@@ -278,7 +278,7 @@ def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
         threads=threads if enum_value(engine.name) == "ray" else engine.threads_per_worker,
         compressor=OmegaConf.to_container(cfg.compressor, resolve=True) if cfg.get("compressor") else None,
         system=build_system(cfg.get("system"), cfg.seed),
-        privacy=privacy_conf(cfg.get("privacy")),
+        privacy=resolved_privacy(cfg),
         import_roots=plugins.import_roots(user_code),
     )
 

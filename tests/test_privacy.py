@@ -307,6 +307,25 @@ def test_noise_multiplier_helper_meets_the_target_tightly():
                                                                   sampling="poisson")
 
 
+@pytest.mark.parametrize("mode", [("privacy=local",), ("privacy.adaptive.enabled=true", "privacy.adaptive.lr=0.5")],
+                         ids=["local", "central-adaptive"])
+def test_a_calibrated_run_is_the_run_with_that_noise_multiplier_given(mode):
+    """noise_multiplier=null is resolved once, before any party is built: each client's local noise and
+    adaptive clipping's count noise use the calibrated z exactly as if it had been given (they used to
+    read null as 0: local DP without noise, the count of unclipped clients published exact)."""
+    target = ("privacy.target_epsilon=40", "privacy.sampling=poisson")
+    kwargs = dict(num_clients=20, clients_per_round=8, sampling="poisson", mode=mode[0].split("=")[1]
+                  if mode[0].startswith("privacy=") else "central")
+    z = noise_multiplier_for(40, 1e-3, 3, seed=3, **kwargs)
+    assert z > 0
+    calibrated = run(*DP, *mode, "privacy.noise_multiplier=null", *target)
+    given = run(*DP, *mode, f"privacy.noise_multiplier={z!r}", *target)
+    assert calibrated[3].setup.privacy.noise_multiplier == z
+    assert_same(calibrated, given)
+    louder = run(*DP, *mode, f"privacy.noise_multiplier={2 * z!r}", *target)  # the noise does act
+    assert not torch.allclose(calibrated[0], louder[0], atol=1e-4)
+
+
 def test_poisson_sampling_draws_each_client_with_probability_q():
     sizes, hits = [], np.zeros(50)
     for r in range(2000):

@@ -87,7 +87,8 @@ def count_stddev(conf: PrivacyConf, clients_per_round: int) -> float:
     """sigma_b of adaptive clipping (``adaptive.count_stddev``, default expected clients / 20)."""
     if conf.adaptive.count_stddev is not None:
         return float(conf.adaptive.count_stddev)
-    return clients_per_round / 20 if conf.noise_multiplier else 0.0
+    # (null counts as noised: it is resolved to a z > 0 before the run starts)
+    return clients_per_round / 20 if conf.noise_multiplier != 0 else 0.0
 
 
 def check_values(conf: PrivacyConf, num_clients: int, clients_per_round: int) -> None:

@@ -20,20 +20,17 @@ partial sums and the algorithm's own server step, so the inline engine, Ray and 
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
 import torch
 
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, RoundContext
-from fl_platform.privacy.accounting import Accountant, noise_multiplier_for
+from fl_platform.privacy.accounting import Accountant
 from fl_platform.privacy.clipping import BELOW, CLIP_KEY, bound_decoded
 from fl_platform.privacy.config import PrivacyConf, count_stddev, update_noise_multiplier
 from fl_platform.privacy.spec import PrivateUploads
 from fl_platform.seeding import Stream, torch_generator
-
-log = logging.getLogger(__name__)
 
 SERVER_NOISE_KEY = 0  # (seed, PRIVACY, round, SERVER_NOISE_KEY, i): the noise on private tensor i (i = len: the count)
 
@@ -53,14 +50,10 @@ class ServerPrivacy:
         self.adaptive = self.central and conf.adaptive.enabled
         self.seed = seed
         self.expected = float(clients_per_round)
-        z = conf.noise_multiplier
-        if z is None:  # calibrated: the smallest z that meets target_epsilon after `rounds` rounds
-            z = noise_multiplier_for(conf.target_epsilon, conf.delta, rounds, num_clients=num_clients,
-                                     clients_per_round=clients_per_round, sampling=conf.sampling,
-                                     accountant=conf.accountant, mode=conf.name, seed=seed)
-            log.info("privacy: noise multiplier %.4f meets epsilon %g at delta %g after %d rounds", z,
-                     conf.target_epsilon, conf.delta, rounds)
-        self.noise_multiplier = float(z)
+        if conf.noise_multiplier is None:
+            raise ValueError("privacy.noise_multiplier=null must be resolved before the server half is built "
+                             "(privacy.setup.resolved_privacy), so that every client uses the same z")
+        self.noise_multiplier = float(conf.noise_multiplier)
         self.sigma_b = count_stddev(conf, clients_per_round) if self.adaptive else 0.0
         self.update_multiplier = update_noise_multiplier(self.noise_multiplier, self.sigma_b) if self.adaptive \
             else self.noise_multiplier

@@ -6,10 +6,14 @@ so every runtime refuses the same configurations with the same messages.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any
 
 from fl_platform.privacy.config import PrivacyConf, check_values, privacy_conf
 from fl_platform.privacy.spec import PrivacyUnsupported, PrivateUploads
+
+log = logging.getLogger(__name__)
 
 
 def private_uploads_of(spec: Any, alg_conf: Any, mode: str = "central") -> PrivateUploads:
@@ -37,6 +41,29 @@ def check_privacy(cfg: Any, spec: Any, alg_conf: Any) -> PrivacyConf:
 
     private_uploads_of(spec, alg_conf, conf.name)
     check_covered(conf.name, conf.accountant, conf.sampling, int(cfg.num_clients), int(cfg.clients_per_round))
+    return conf
+
+
+def resolved_privacy(cfg: Any) -> PrivacyConf:
+    """The run's PrivacyConf with ``noise_multiplier=null`` replaced by the smallest z that meets
+    ``target_epsilon`` after ``rounds`` rounds, checked again with that z.
+
+    Every party takes its z from here (``make_setup``: the simulator's driver and workers, each Flower
+    ClientApp and the ServerApp), so a client's local noise and adaptive clipping's count noise never
+    see an unresolved null: they used to read it as 0, i.e. no noise, while the server accounted for z."""
+    conf = privacy_conf(cfg.get("privacy"))
+    if conf.name == "none" or conf.noise_multiplier is not None:
+        return conf
+    from fl_platform.privacy.accounting import noise_multiplier_for
+
+    num_clients, clients_per_round = int(cfg.num_clients), int(cfg.clients_per_round)
+    z = noise_multiplier_for(conf.target_epsilon, conf.delta, int(cfg.rounds), num_clients=num_clients,
+                             clients_per_round=clients_per_round, sampling=conf.sampling,
+                             accountant=conf.accountant, mode=conf.name, seed=int(cfg.seed))
+    log.info("privacy: noise multiplier %.4f meets epsilon %g at delta %g after %d rounds", z,
+             conf.target_epsilon, conf.delta, int(cfg.rounds))
+    conf = dataclasses.replace(conf, noise_multiplier=z)
+    check_values(conf, num_clients, clients_per_round)
     return conf
 
 
