@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fl_platform.algorithms.registry import PLUGIN, get_algorithm, spec_of
-from fl_platform.config import options_of, unknown_keys
+from fl_platform.config import EngineConf, options_of, unknown_keys
 from fl_platform.datasets.federated import FederatedDataset, build_federated_dataset
 from fl_platform.models import check_model_input
 from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
@@ -289,8 +289,17 @@ def check_cluster_keys(cfg: DictConfig) -> None:
 
     engine = cfg.engine
     ray = enum_value(engine.name) == "ray"
+    base = EngineConf()
     checks = [
         (ray or engine.address is None, "engine.address", "joins a Ray cluster; it needs engine=ray"),
+        (ray or engine.start_timeout_s == base.start_timeout_s, "engine.start_timeout_s",
+         "bounds how long Ray workers may take to start; it needs engine=ray"),
+        (ray or engine.max_restarts == base.max_restarts, "engine.max_restarts",
+         "restarts dead Ray workers; it needs engine=ray"),
+        (ray or engine.cpus_per_worker == base.cpus_per_worker, "engine.cpus_per_worker",
+         "is each Ray worker's CPU reservation; it needs engine=ray (inline: engine.threads_per_worker)"),
+        (ray or engine.gpus_per_worker == base.gpus_per_worker, "engine.gpus_per_worker",
+         "is each Ray worker's GPU share; it needs engine=ray"),
         (ray or engine.runtime_env == "auto", "engine.runtime_env", "ships code to Ray nodes; it needs engine=ray"),
         (not engine.state_dir_shared or (ray and engine.state_store == "disk"), "engine.state_dir_shared",
          f"declares a disk store's folder shared by Ray workers; it needs engine=ray and engine.state_store=disk, "

@@ -6,7 +6,8 @@ tests/test_engine_gpu_placement.py in a subprocess; prints one JSON line per cas
 Cases: ``W/G`` (W workers on G declared GPUs: placed, one round equal to inline), ``W/G/eval`` (the
 same with engine.eval_device=cuda: one more share held for the driver), ``unpackable`` (an explicit
 share that cannot be packed is refused), ``pending`` (a 2-node cluster whose GPUs sit on a node
-without CPUs to spare: the bounded start-up wait names what is missing).
+without CPUs to spare: the bounded start-up wait names what is missing), ``failed_start`` (a start-up
+that fails shuts down the Ray the engine started).
 """
 
 from __future__ import annotations
@@ -92,6 +93,17 @@ def pending() -> dict:
         cluster.shutdown()
 
 
+def failed_start() -> dict:
+    """The engine starts Ray itself (none running) and its start-up fails: it leaves no Ray behind."""
+    import ray
+
+    try:
+        run("engine=ray", "engine.num_workers=2", "engine.gpus_per_worker=1", "engine.start_timeout_s=5")
+        return {"error": None}
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {err}", "ray_left_running": ray.is_initialized()}
+
+
 def main(cases: list[str]) -> None:
     for case in cases:
         try:
@@ -99,6 +111,8 @@ def main(cases: list[str]) -> None:
                 out = unpackable()
             elif case == "pending":
                 out = pending()
+            elif case == "failed_start":
+                out = failed_start()
             else:
                 w, g, *rest = case.split("/")
                 out = placed(int(w), int(g), rest == ["eval"])

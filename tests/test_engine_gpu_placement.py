@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.fixture(scope="module")
 def cases() -> dict[str, dict]:
-    names = ["3/2", "4/2", "8/8", "3/2/eval", "unpackable", "pending"]
+    names = ["3/2", "4/2", "8/8", "3/2/eval", "unpackable", "pending", "failed_start"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(HERE / "gpu_placement_cases.py"), *names], capture_output=True,
                           text=True, timeout=900, env=env, cwd=HERE.parent)
@@ -60,3 +60,10 @@ def test_start_up_that_cannot_place_its_workers_ends_with_the_numbers(cases):
     assert "did not start within 8 s" in row["error"] and "engine.start_timeout_s" in row["error"]
     assert "1 CPUs and 1 GPUs on one node" in row["error"]
     assert row["seconds"] < 60
+
+
+@pytest.mark.ray
+def test_a_failed_start_up_leaves_no_ray_behind(cases):
+    row = cases["failed_start"]
+    assert row.get("error"), row
+    assert row["ray_left_running"] is False

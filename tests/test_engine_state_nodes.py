@@ -61,6 +61,10 @@ def test_runtime_env_default_ships_the_checkout_only_when_joining():
     (("engine.runtime_env=null",), "engine.runtime_env"),
     (("engine.address=127.0.0.1:6379",), "engine.address"),
     (("engine=ray", "engine.runtime_env=ship"), "engine.runtime_env"),
+    (("engine.start_timeout_s=30",), "engine.start_timeout_s"),  # Ray-only keys under engine=inline
+    (("engine.max_restarts=1",), "engine.max_restarts"),
+    (("engine.cpus_per_worker=2",), "engine.cpus_per_worker"),
+    (("engine.gpus_per_worker=0.5",), "engine.gpus_per_worker"),
 ])
 def test_cluster_keys_are_refused_where_they_do_nothing(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -140,11 +140,14 @@ def hold_eval_gpu(share: float, timeout: float = START_TIMEOUT_S) -> tuple[Any, 
 class ActorPool:
     """One live actor per worker id, each pinned to a node once it started there."""
 
-    def __init__(self, placement: Placement, setup_ref: Any, options: Callable[[int, int], WorkerOptions]) -> None:
-        """``options(worker_id, incarnation)`` gives each new actor its WorkerOptions."""
+    def __init__(self, placement: Placement, setup_ref: Any, options: Callable[[int, int], WorkerOptions],
+                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+        """``options(worker_id, incarnation)`` gives each new actor its WorkerOptions; an actor not up within
+        ``start_timeout_s`` (engine.start_timeout_s), first or replacement, is an error."""
         import ray
 
         self._ray = ray
+        self.start_timeout_s = start_timeout_s
         self.placement = placement
         self._setup_ref = setup_ref
         self._options = options
@@ -169,11 +172,11 @@ class ActorPool:
                                 max_restarts=0, max_task_retries=0, scheduling_strategy=strategy)
         return cls.remote(worker_id, self._setup_ref, self._options(worker_id, self.incarnation[worker_id]))
 
-    def ping_all(self, timeout: float = START_TIMEOUT_S) -> None:
+    def ping_all(self) -> None:
         """Wait until every actor is up (its Worker built) and record its node; a failure in a
         constructor is raised as is. Actors still pending after ``timeout`` seconds (no node has the
         resources one asks for) raise an error naming what they ask and what the nodes have."""
-        ray = self._ray
+        ray, timeout = self._ray, self.start_timeout_s
         refs = [a.node_info.remote() for a in self.actors]
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         if pending:
@@ -241,9 +244,9 @@ class ActorPool:
             self._check_room(worker_id)
         self.actors[worker_id] = self._spawn(worker_id, node)
         try:
-            return ray.get(self.actors[worker_id].node_info.remote(), timeout=START_TIMEOUT_S)["node_id"]
+            return ray.get(self.actors[worker_id].node_info.remote(), timeout=self.start_timeout_s)["node_id"]
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"a new actor for Ray worker {worker_id} did not start within {START_TIMEOUT_S:g} s "
+            raise RuntimeError(f"a new actor for Ray worker {worker_id} did not start within {self.start_timeout_s:g} s "
                                f"(cluster resources now: {ray.available_resources()})") from None
 
     def _check_room(self, worker_id: int) -> None:

@@ -89,13 +89,22 @@ class RayEngine(Engine):
 
         self._ray = ray
         self._owns_ray = connect(cfg)
+        self._eval_slot: Any = None
+        self.pool: ActorPool | None = None
+        try:
+            self._start(setup, cfg)
+        except BaseException:  # leave no actor, held GPU share or Ray we started behind (a notebook goes on)
+            self.close()
+            raise
+
+    def _start(self, setup: ExperimentSetup, cfg: Any) -> None:
+        ray = self._ray
         eval_setting = str(conf_value(cfg, "eval_device", "auto"))
         if eval_setting.startswith("cuda:"):
             raise ValueError(f"engine.eval_device={eval_setting}: with engine=ray say cuda, and Ray picks the GPU "
                              f"whose share it holds for the driver")
         self.start_timeout_s = float(conf_value(cfg, "start_timeout_s", START_TIMEOUT_S))
         self.placement = plan_placement(cfg, setup.device, ray.cluster_resources(), eval_on_gpu=eval_setting == "cuda")
-        self._eval_slot: Any = None
         self.eval_device = torch.device("cpu")  # auto and cpu: the driver's CPU, outside the workers' GPUs
         if self.placement.eval_gpus:
             self._eval_slot, gpu = hold_eval_gpu(self.placement.eval_gpus, self.start_timeout_s)
@@ -129,8 +138,8 @@ class RayEngine(Engine):
         self.slow_factor = float(conf_value(fault, "slow_factor", 1.0))  # slow_factor x as long
         check_slow_worker(self.slow_worker, num_workers)
         t0 = time.perf_counter()
-        self.pool = ActorPool(self.placement, ray.put(Packed(self.setup)), self._options)
-        self.pool.ping_all(self.start_timeout_s)
+        self.pool = ActorPool(self.placement, ray.put(Packed(self.setup)), self._options, self.start_timeout_s)
+        self.pool.ping_all()
         self.stateful = bool(ray.get(self.pool[0].is_stateful.remote()))
         self.state_nbytes = int(ray.get(self.pool[0].state_nbytes.remote())) if self.stateful else 0
         # A partial aggregate small enough to travel inside its task's reply reaches the driver, its
@@ -448,7 +457,8 @@ class RayEngine(Engine):
         self._loaded = state.get("client_states")
 
     def close(self) -> None:
-        self.pool.close()
+        if self.pool is not None:
+            self.pool.close()
         if self._eval_slot is not None:
             self._ray.kill(self._eval_slot)
         if self._owns_ray:

@@ -68,6 +68,9 @@ def plan_placement(cfg: Any, device: str, resources: dict[str, float], eval_on_g
                          f"(Ray sees {total_cpus:g} CPUs and {total_gpus:g} GPUs)")
     slots = num_workers + (1 if eval_on_gpu else 0)
     gpus = 0.0
+    if not use_gpu and conf_value(cfg, "gpus_per_worker") is not None:
+        raise ValueError(f"engine.gpus_per_worker={conf_value(cfg, 'gpus_per_worker')} has no effect: the workers "
+                         f"train on CPU ({'engine.device=cpu' if device == 'cpu' else 'the Ray cluster has no GPUs'})")
     if use_gpu:
         gpus = conf_value(cfg, "gpus_per_worker")
         gpus = gpu_share(slots, total_gpus) if gpus is None else float(gpus)
