@@ -96,8 +96,8 @@ def run_job(job: Job, runs: Path, artefacts: Path, code: tuple[Path, str], threa
     if (dest / "run.json").exists():
         return json.loads((dest / "run.json").read_text())
     run_dir = runs / job.name
-    if not (run_dir / "summary.json").exists():
-        shutil.rmtree(run_dir, ignore_errors=True)  # a partial run starts over
+    if not _finished_at(run_dir, code[1]):
+        shutil.rmtree(run_dir, ignore_errors=True)  # a partial run, or one of other code, starts over
         run_dir.mkdir(parents=True)
         cmd = [sys.executable, "-m", "fl_platform.run", *job.overrides, f"hydra.run.dir={run_dir}"]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
@@ -113,6 +113,15 @@ def run_job(job: Job, runs: Path, artefacts: Path, code: tuple[Path, str], threa
         (run_dir / "run.json").write_text(json.dumps(stats, indent=1) + "\n")
     export_artefact(run_dir, dest)
     return json.loads((dest / "run.json").read_text())
+
+
+def _finished_at(run_dir: Path, commit: str) -> bool:
+    """Whether ``run_dir`` holds a finished run of this commit's code (a run of another commit is not
+    reused: its artefact would carry results the requested code may not give)."""
+    try:
+        return (run_dir / "summary.json").exists() and json.loads((run_dir / "run.json").read_text())["commit"] == commit
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def _wait_sampling_cpu(pid: int, metrics: Path, poll_s: float = 0.05) -> tuple[int, Any, list[float]]:

@@ -185,6 +185,10 @@ def test_a_run_leaves_an_artefact_that_loads_back_and_is_not_rerun(tmp_path):
     assert run["rows"] == rows and run["summary"]["seed"] == 3 and run["config"]["num_clients"] == 5
     rc.export_artefact(runs / job.name, folder)
     assert (folder / "metrics.jsonl.gz").read_bytes() == first  # no timestamp in the gzip header
+    stamp = runs / job.name / "run.json"  # a finished run of other code is not reused: it runs again
+    stamp.write_text(json.dumps({**json.loads(stamp.read_text()), "commit": "another"}))
+    shutil.rmtree(folder)
+    assert rc.run_job(job, runs, art, rc.code_snapshot("worktree"))["commit"] == stats_["commit"]
     shutil.rmtree(runs)
     rc.run_job(job, runs, art, rc.code_snapshot("worktree"))  # the artefact exists: nothing runs
     assert not runs.exists()
