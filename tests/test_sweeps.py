@@ -52,6 +52,7 @@ def test_ray_cluster_launcher_runs_jobs_on_the_nodes_of_a_cluster(tmp_path, monk
     # The cluster's files (and its address file, which a later plain ray.init() would join) stay private.
     ray_tmp = tempfile.mkdtemp(prefix="fl-sweep-")  # short: Ray's socket paths must fit in 107 bytes
     monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
+    monkeypatch.setenv("RAY_DEDUP_LOGS", "0")  # Ray folds alike log lines of several nodes into one
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:

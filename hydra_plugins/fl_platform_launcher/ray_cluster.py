@@ -114,7 +114,9 @@ def _run_job(hydra_context: HydraContext, task_function: TaskFunction, sweep_con
     files = None
     if driver_node is not None and ray.get_runtime_context().get_node_id() != driver_node:
         root = Path(str(sweep_config.hydra.sweep.dir)) / subdir
-        files = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+        # (checkpoints stay on the node: they can be as large as the model times its client states)
+        files = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+                 if p.is_file() and p.relative_to(root).parts[0] != "checkpoint"}
     log.info("job %s ran on node %s", sweep_config.hydra.job.num, ray.get_runtime_context().get_node_id())
     return ret, subdir, files
 
@@ -168,9 +170,15 @@ class RayClusterLauncher(Launcher):
             refs.append(remote.remote(self.hydra_context, self.task_function, sweep_config,
                                       Singleton.get_state(), driver_node))
         try:
-            results = []
-            for ref in refs:
-                ret, subdir, files = ray.get(ref)
+            results, crashed = [], []
+            for i, (ref, overrides) in enumerate(zip(refs, job_overrides)):
+                try:
+                    ret, subdir, files = ray.get(ref)
+                except Exception as err:  # its process died (out of memory, node lost): the other jobs go on
+                    reason = (str(err).strip().splitlines() or [type(err).__name__])[-1]
+                    crashed.append(f"#{initial_job_idx + i} ({' '.join(overrides)}): {reason}")
+                    log.error("job #%d crashed: %s", initial_job_idx + i, reason)
+                    continue
                 if files is not None:
                     written = _write_tree(sweep_dir / subdir, files)
                     log.info("job %s ran on another node: %d of its %d files copied into %s", subdir,
@@ -180,7 +188,7 @@ class RayClusterLauncher(Launcher):
             if owns:
                 ray.shutdown()
         failed = [f"#{r.hydra_cfg.hydra.job.num} ({' '.join(r.overrides)}): {r._return_value}"
-                  for r in results if r.status == JobStatus.FAILED]
+                  for r in results if r.status == JobStatus.FAILED] + crashed
         if failed:  # each job printed its own reason above; the sweep's exit status says it failed
-            sys.exit(f"error: {len(failed)} of {len(results)} jobs failed: " + "; ".join(failed))
+            sys.exit(f"error: {len(failed)} of {len(refs)} jobs failed: " + "; ".join(failed))
         return results
