@@ -47,6 +47,20 @@ def test_worker_killed_mid_round_does_not_change_the_result(ray_session, overrid
     assert results(faulty) == results(clean)
 
 
+@pytest.mark.ray
+def test_a_worker_that_dies_before_holding_any_state_loses_nothing(ray_session):
+    """States in the workers' memory: a worker killed in round 1, before any client has a committed
+    state, is replaced and the round rerun (it used to end the run as if states were lost)."""
+    victim = sample_clients(0, 0, 100, 12)[5]
+    overrides = ("algorithm=scaffold", "engine.state_store=memory")
+    clean = run(*overrides)
+    faulty = run("engine=ray", "engine.num_workers=2", *overrides, f"engine.fault_injection.client={victim}",
+                 "engine.fault_injection.round=1")
+    assert faulty.engine.restarts == 1 and faulty.engine.state_backend == "memory"
+    assert float((faulty.simulation.server.weights - clean.simulation.server.weights).abs().max()) <= 1e-6
+    assert results(faulty) == results(clean)
+
+
 def test_fault_injection_needs_ray():
     with pytest.raises(ValueError, match=r"engine\.fault_injection"):
         build(compose_config(*COMMON, "engine.fault_injection.client=3"))

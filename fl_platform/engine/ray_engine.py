@@ -185,7 +185,10 @@ class RayEngine(Engine):
             self.pool.restart(w, f"{reason}, {names[w]} lost" if w in lost_node else reason)
         if not self.stateful or self.shared:
             return
-        lost = [w for w in dead if w in lost_node or self.state_backend == "memory"]
+        # A worker's states are gone with it when they lived in its memory or on its lost node, and only
+        # if it is home to a client with a committed state (a crash in round 1 loses nothing: rerun it).
+        homes = {home_worker(c, self.num_workers) for c in self.manifest.rounds}
+        lost = [w for w in dead if (w in lost_node or self.state_backend == "memory") and w in homes]
         if lost:
             where = "in memory" if self.state_backend == "memory" else "in node-local files"
             nodes = sorted({names[w] for w in lost if w in lost_node})
