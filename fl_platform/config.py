@@ -299,7 +299,7 @@ class EngineConf:
     scheduler_smoothing: float = 0.5  # weight of the newest round in each worker's runtime estimate
     address: str | None = None  # ray: an existing cluster to join (host:port of its head, or "auto"); None starts a local one
     # ray: the job's runtime_env. auto = ship this checkout (code + conf/) when joining a cluster;
-    # null/{} = nothing (nodes hold an identical install); a mapping = Ray's runtime_env, merged over auto's.
+    # null/{} = nothing (nodes hold an identical install); a mapping = Ray's runtime_env, merged over the shipped checkout (also locally).
     runtime_env: Any = "auto"
     fault_injection: FaultInjectionConf = field(default_factory=FaultInjectionConf)
     # Clients a worker trains at once, vectorised (docs/vectorised.md): 1 = one by one; "auto" = as

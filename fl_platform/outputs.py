@@ -105,8 +105,12 @@ class MetricsLog:
     def truncate_after(self, last_round: int) -> list[dict[str, Any]]:
         """Keep rows with ``round <= last_round`` (resume: drop rows written after the checkpoint)."""
         rows = [r for r in self.read() if r.get("round", 0) <= last_round]
-        atomic_write_text(self.path, "".join(json.dumps(_jsonable(r), sort_keys=True) + "\n" for r in rows))
+        self.replace(rows)
         return rows
+
+    def replace(self, rows: list[dict[str, Any]]) -> None:
+        """The file := ``rows``, atomically (a reader or a crash sees the old rows or the new, never a part)."""
+        atomic_write_text(self.path, "".join(json.dumps(_jsonable(r), sort_keys=True) + "\n" for r in rows))
 
 
 class RunDir:

@@ -46,8 +46,8 @@ def main(cfg: DictConfig) -> float | None:
         return None
     acc = summary.get("final_test_accuracy")
     best = summary.get("best_test_accuracy")
-    print(f"final test accuracy: {acc:.4f} (best {best:.4f}) after {summary['rounds']} rounds "
-          f"in {summary['wall_time_s']:.1f} s", flush=True)
+    result = f"final test accuracy: {acc:.4f} (best {best:.4f})" if acc is not None else "no evaluation"
+    print(f"{result} after {summary['rounds']} rounds in {summary['wall_time_s']:.1f} s", flush=True)
     print(f"run_dir: {run_dir}", flush=True)
     return acc
 

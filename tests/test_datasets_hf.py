@@ -169,6 +169,8 @@ def test_bad_settings_are_refused(parquet, tmp_path):
         ({"path": train, "test_split": test, "subset": "x"}, "a single file has no subsets"),
         ({"path": train, "test_split": test, "mean": [0.5] * 3}, "both dataset.mean and dataset.std"),
         ({"path": train, "test_split": test, "mean": [0.5], "std": [0.2]}, "1/1 values for 3 channels"),
+        ({"path": train, "test_split": test, "normalize": False, "mean": [0.5] * 3, "std": [0.2] * 3},
+         r"no effect with dataset\.normalize=false"),
         ({"path": train, "test_split": test, "channels": 2}, "dataset.channels must be 1, 3"),
     ]
     for options, message in cases:

@@ -294,6 +294,12 @@ def test_target_epsilon_stops_before_the_round_that_would_exceed_it():
     assert summary["rounds"] == 4 and "round 5 would raise epsilon" in summary["stop_reason"]
 
 
+def test_a_target_below_one_rounds_epsilon_is_refused_at_start_up():
+    one = Accountant("central", "rdp", 0.8, 1e-3, 20, 8, "fixed", seed=3).epsilon(1)
+    with pytest.raises(ValueError, match=r"privacy\.target_epsilon=.* is below the epsilon of a single round"):
+        run(*DP, f"privacy.target_epsilon={one / 2}")
+
+
 def test_noise_multiplier_helper_meets_the_target_tightly():
     kwargs = dict(num_clients=1000, clients_per_round=50, sampling="poisson", accountant="rdp")
     z = noise_multiplier_for(2.0, 1e-5, 60, **kwargs)

@@ -76,7 +76,8 @@ class FedDFConf(OneShotConf):
 
 def load_distill_set(name: str, count: int, shape: tuple[int, ...], low: torch.Tensor, high: torch.Tensor,
                      gen: torch.Generator) -> torch.Tensor:
-    """``count`` training images of source ``name`` drawn by ``gen``, in the task's input shape and range."""
+    """``count`` training images of source ``name`` drawn by ``gen``, in the task's input shape and range.
+    Read from the data root ($FL_DATA_ROOT, else ../shared/data), not from the task's ``dataset.root``."""
     import torch.nn.functional as F
 
     from fl_platform.datasets.registry import load_source, source_options
@@ -133,7 +134,9 @@ class FedDFServer(OneShotServer):
     def attach_data(self, data: Any) -> None:
         super().attach_data(data)
         if self.cfg.distill_set != HELDOUT:
-            assert self.server_x is not None and self.input_low is not None and self.input_high is not None
+            if self.server_x is None or self.input_low is None or self.input_high is None:
+                raise ValueError(f"algorithm.distill_set={self.cfg.distill_set!r}: an out-of-domain distillation set "
+                                 "needs an image task (its images are mapped onto the task's input range)")
             unl, _ = split_server_data(self.server_x.shape[0], self.cfg.val_fraction, self.setup.seed)
             count = self.cfg.distill_size or unl.numel()
             gen = torch_generator(self.setup.seed, Stream.ALGORITHM, _FEDDF, 4)

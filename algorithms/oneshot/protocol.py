@@ -159,8 +159,9 @@ class OneShotClient(ClientAlgorithm):
     def train(self, ctx: RoundContext, client_id: int, broadcast: Broadcast,
               state: dict[str, torch.Tensor] | None, data: ClientData, trainer: LocalTrainer) -> ClientUpdate:
         data = self.holdout(data)
-        if broadcast.scalars.get("calibration"):  # the calibration round (calibration.py)
-            from fl_platform.algorithms.oneshot.calibration import client_statistics
+        from fl_platform.algorithms.oneshot.calibration import FLAG, client_statistics
+
+        if broadcast.scalars.get(FLAG):  # the calibration round (calibration.py)
 
             return client_statistics(self.setup, client_id, broadcast, data, trainer.fm.device)
         weights = broadcast.tensors["weights"]

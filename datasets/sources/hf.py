@@ -272,6 +272,8 @@ def _standardise(train: np.ndarray, rest: list[np.ndarray], mean: Sequence[float
     """Standardise with the given constants or the training split's statistics, per ``what`` (channel/feature)."""
     if (mean is None) != (std is None):
         raise ValueError("hf: give both dataset.mean and dataset.std, or neither")
+    if not normalize and mean is not None:
+        raise ValueError("hf: dataset.mean and dataset.std have no effect with dataset.normalize=false; drop them")
     if mean is None:
         m, s = _moments(train)
         mean, std = m.tolist(), [v if v > 0 else 1.0 for v in s.tolist()]

@@ -14,8 +14,9 @@ already runs one (then it joins that one and leaves it running).
   The user's plug-in code (a custom model, data loader or algorithm, fl_platform/plugins.py) goes
   too: inside the checkout with it, a package outside it as a ``py_modules`` entry.
 * ``null`` or ``{}``: ship nothing; every node must hold an identical install (plug-ins included).
-* a mapping: Ray's ``runtime_env``, merged over the ``auto`` default (its keys replace the
-  default's; ``working_dir: null`` drops the shipped code), e.g. ``{env_vars: {OMP_NUM_THREADS: "1"}}``
+* a mapping: Ray's ``runtime_env``, merged over the shipped checkout (also for a local Ray: a
+  mapping is a job's whole environment; its keys replace the default's, ``working_dir: null`` drops
+  the shipped code), e.g. ``{env_vars: {OMP_NUM_THREADS: "1"}}``
   or ``{pip: [...]}``.
 
 A runtime environment belongs to a job, which the engine creates only when it connects: when Ray

@@ -130,10 +130,6 @@ class Accountant:
     def private(self) -> bool:
         return self.z > 0
 
-    def event(self) -> dpa.DpEvent:
-        """One round's event (central DP)."""
-        return round_event(self.mode, self.z, self.num_clients, self.clients_per_round, self.sampling)[0]
-
     def epsilon(self, rounds: int) -> float:
         """Epsilon after ``rounds`` rounds (inf without noise)."""
         if rounds <= 0:
@@ -180,13 +176,6 @@ class Accountant:
         """Local DP: the most rounds any one client took part in among the first ``rounds``."""
         self.epsilon(rounds)
         return self._max_counts[rounds] if self.mode == "local" and self.private else 0
-
-    def rounds_within(self, target: float, limit: int) -> int:
-        """The most rounds (<= ``limit``) whose epsilon is <= ``target``."""
-        r = 0
-        while r < limit and self.epsilon(r + 1) <= target:
-            r += 1
-        return r
 
 
 def noise_multiplier_for(target_epsilon: float, delta: float, rounds: int, *, num_clients: int,

@@ -61,6 +61,10 @@ class ServerPrivacy:
         self.accountant = Accountant(conf.name, conf.accountant, self.noise_multiplier, conf.delta, num_clients,
                                      clients_per_round, conf.sampling, seed)
         self.stop_reason: str | None = None
+        if conf.target_epsilon is not None and self.accountant.epsilon(1) > conf.target_epsilon:
+            raise ValueError(f"privacy.target_epsilon={conf.target_epsilon:g} is below the epsilon of a single round "
+                             f"({self.accountant.epsilon(1):.3g} with privacy.noise_multiplier={self.noise_multiplier:g}):"
+                             f" the run could not train one round; raise the target or the noise multiplier")
 
     # ------------------------------------------------------------------ one round
 

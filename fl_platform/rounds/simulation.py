@@ -34,7 +34,7 @@ import torch
 from fl_platform.algorithms.base import ServerAlgorithm
 from fl_platform.core import Aggregate, ClientUpdate, Metrics, RoundContext
 from fl_platform.datasets.federated import FederatedDataset
-from fl_platform.outputs import MetricsLog, atomic_write_text
+from fl_platform.outputs import MetricsLog
 from fl_platform.reporting import Reporter
 from fl_platform.rounds.checkpoint import Checkpoint, Checkpointer, set_rng_state
 from fl_platform.rounds.engine import Engine, StateLost
@@ -52,13 +52,6 @@ PRIVACY_STATE = "_privacy"
 def is_timing_key(key: str) -> bool:
     """Fields that measure time or scheduling rather than results (excluded when comparing runs)."""
     return key.endswith("_s") or key.startswith("sched_")
-
-
-def _rewrite_metrics(metrics: MetricsLog, rows: list[dict[str, Any]]) -> None:
-    """metrics.jsonl := ``rows`` (an interruption here is repaired by the next resume)."""
-    atomic_write_text(metrics.path, "")
-    for row in rows:
-        metrics.append(row)
 
 
 @dataclass
@@ -202,7 +195,7 @@ class Simulation:
             self.engine.restore_state(None, None)
             self.start_round, self.history = 0, []
             if self.metrics is not None:
-                _rewrite_metrics(self.metrics, [])
+                self.metrics.replace([])
             return
         if ckpt.round > self.loop.rounds:
             raise ValueError(f"checkpoint {ckpt.path} is after round {ckpt.round}, beyond rounds={self.loop.rounds}")
@@ -220,7 +213,7 @@ class Simulation:
         self.start_round = ckpt.round
         self.history = [dict(row) for row in ckpt.history]
         if self.metrics is not None:  # rows written after the checkpoint are dropped
-            _rewrite_metrics(self.metrics, self.history)
+            self.metrics.replace(self.history)
         log.info("resumed from %s after round %d", ckpt.path, ckpt.round)
 
     def summary(self) -> dict[str, Any]:
