@@ -59,7 +59,9 @@ ABLATIONS: list[tuple[str, str, list[str], str, tuple[str, ...], int]] = [
      "T = 60: w_fake = r/60 reaches 0.5 at round 30 (0.25 with gradualhalfhalf)", BOTH, 2),
     ("fedimpro_T500", "fedimpro", ["algorithm.weight_max_rounds=500"],
      "the reference's absolute T = 500: w_fake = r/500 < 0.06 in 30 rounds (< 0.03 with gradualhalfhalf)", BOTH, 2),
-    ("fedimpro_lambda0", "fedimpro", ["algorithm.weight_schedule=constant", "algorithm.constant_weight=0"],
+    # (weight_max_rounds back at its default: T has no effect under a constant schedule, and is refused there)
+    ("fedimpro_lambda0", "fedimpro", ["algorithm.weight_schedule=constant", "algorithm.constant_weight=0",
+                                      "algorithm.weight_max_rounds=500"],
      "control: the sampled-feature term switched off (w_fake = 0), everything else FedImpro's", BOTH, 3),
     ("fedimpro_split_fc", "fedimpro", ["algorithm.split_after=fc"],
      "split after the 64-d fc layer (f = the linear head) instead of after conv2 (D = 32x7x7)", BOTH, 3),
