@@ -46,7 +46,8 @@ MAX_ARTEFACT_BYTES = 20 * 2**20  # all documents' artefacts together (issue 17)
 # The results scripts, by document: each has main(argv) with --from-artefacts and --no-plots.
 # A document is registered once every run of it has its artefact committed (the others, still to be
 # rerun on this infrastructure, keep their earlier text: docs/results/README.md).
-DOCUMENTS = {"baselines": "results_baselines", "privacy": "results_privacy", "compression": "results_compression"}
+DOCUMENTS = {"baselines": "results_baselines", "privacy": "results_privacy", "compression": "results_compression",
+             "heterogeneity": "results_heterogeneity"}
 
 Run = dict[str, Any]  # {"name", "config" (flattened), "summary", "rows", "stats"}
 
