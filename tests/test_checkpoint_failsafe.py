@@ -11,6 +11,7 @@ the uninterrupted run's metrics; with nothing to fall back to, resume stops with
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -210,3 +211,29 @@ def test_state_fsync_fsyncs_every_client_state_file(tmp_path, monkeypatch):
 def test_state_fsync_needs_a_store_with_files():
     with pytest.raises(ConfigError, match=r"engine\.state_fsync needs client-state files"):
         build(compose_config("engine.state_fsync=true"))
+
+
+def test_metrics_are_rewritten_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A resume rewrites metrics.jsonl (MetricsLog.replace): a crash mid-write leaves the old rows, never a
+    part of the new ones (it used to empty the file, then append row by row)."""
+    from fl_platform.outputs import MetricsLog
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    old = [{"round": r, "loss": 1.0 / r} for r in (1, 2, 3)]
+    log.replace(old)
+    assert log.read() == old
+
+    def crash(*args):
+        raise OSError("disk gone")
+
+    new = old[:2]
+    with monkeypatch.context() as m:  # a crash while rows are written one by one
+        m.setattr(MetricsLog, "append", crash)
+        with contextlib.suppress(OSError):
+            log.replace(new)
+        assert log.read() in (old, new)
+    with monkeypatch.context() as m:  # a crash before the new file takes the old one's place
+        m.setattr(os, "replace", crash)
+        with pytest.raises(OSError, match="disk gone"):
+            log.replace(old[:1])
+    assert log.read() in (old, new) and [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]

@@ -318,6 +318,14 @@ def test_out_of_domain_images_take_the_tasks_shape_and_input_range():
         load_distill_set("synthetic", 10, (1, 8, 8), low[:1], high[:1], gen)
 
 
+def test_an_out_of_domain_set_on_a_task_without_images_is_refused_naming_the_key(make_config):
+    cfg = make_config("dataset=synthetic", "model=mlp", "num_clients=3", "clients_per_round=3", "train.epochs=1",
+                      "algorithm=oneshot_feddf", "rounds=1", "algorithm.distill_set=digits", "algorithm.cache_dir=null",
+                      "save_model=false")
+    with pytest.raises(ValueError, match=r"algorithm\.distill_set='digits': .* needs an image task"):
+        build(cfg).engine.close()
+
+
 def test_feddf_distils_on_the_out_of_domain_set(make_config):
     exp, rows = _run_fair(make_config, "algorithm=oneshot_feddf", "rounds=1", "algorithm.steps=20",
                      "algorithm.val_fraction=0", "algorithm.distill_set=digits", "algorithm.distill_size=77")
