@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
@@ -27,6 +28,17 @@ def compose_config(*overrides: str) -> DictConfig:
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=["logger.progress=false", *overrides])
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch intra-op thread for the test, restored after: tiny models run faster and steadier with
+    one, and references computed with it share the workers' kernels and rounding. Modules that want it
+    for every test say ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

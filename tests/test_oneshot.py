@@ -26,13 +26,7 @@ from fl_platform.training.loop import ClientData, TrainConfig
 SHAPE = (1, 8, 8)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is faster (and steadier on a loaded machine); restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one torch thread (conftest)
 
 
 def _setup(clients: int = 3) -> Setup:

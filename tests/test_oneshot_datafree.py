@@ -25,8 +25,7 @@ from fl_platform.algorithms.oneshot.protocol import build_module
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.loop import TrainConfig
 
-from .test_oneshot import one_thread  # noqa: F401 (autouse: one torch thread for tiny models)
-
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one torch thread (conftest)
 SHAPE = (1, 8, 8)
 C = 4  # classes
 B = 12  # synthetic batch

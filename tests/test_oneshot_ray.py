@@ -27,13 +27,7 @@ METHODS: dict[str, tuple[str, ...]] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread in the driver too (the server-side methods run there)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one torch thread (conftest)
 
 
 def _tensors(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:

@@ -46,12 +46,7 @@ DP = ("privacy=central", f"privacy.clip={CLIP}", "privacy.noise_multiplier=0.8",
 REL = 1e-6  # float32 rounding of a clipped vector's norm
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one torch thread (conftest)
 
 
 def run(*overrides: str, run_dir: Path | None = None):

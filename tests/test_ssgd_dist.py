@@ -104,13 +104,7 @@ class Reference:
         return fm.grad.clone()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The workers run with 1 thread; so do the references (same kernels, same rounding)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one torch thread (conftest)
 
 
 def _saved(run_dir: Path) -> dict[str, torch.Tensor]:
