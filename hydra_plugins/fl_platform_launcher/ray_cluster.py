@@ -90,9 +90,10 @@ class _Tee:
 
 def _run_job(hydra_context: HydraContext, task_function: TaskFunction, sweep_config: DictConfig,
              singleton_state: dict[Any, Any], driver_node: str | None,
-             ) -> tuple[JobReturn, str, dict[str, bytes] | None]:
+             ) -> tuple[JobReturn, str, str, dict[str, bytes] | None]:
     """One job on a Ray worker: Hydra's ``run_job``; returns its JobReturn, its run directory's
-    subfolder of the sweep and, when this is not the driver's node, that folder's files."""
+    subfolder of the sweep, the node it ran on and, when this is not the driver's node, that folder's
+    files. (The driver logs the node: a worker's own log lines may not reach it before the sweep ends.)"""
     import ray
 
     setup_globals()
@@ -112,13 +113,13 @@ def _run_job(hydra_context: HydraContext, task_function: TaskFunction, sweep_con
                   job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
     subdir = str(sweep_config.hydra.sweep.subdir)
     files = None
-    if driver_node is not None and ray.get_runtime_context().get_node_id() != driver_node:
+    node = ray.get_runtime_context().get_node_id()
+    if driver_node is not None and node != driver_node:
         root = Path(str(sweep_config.hydra.sweep.dir)) / subdir
         # (checkpoints stay on the node: they can be as large as the model times its client states)
         files = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
                  if p.is_file() and p.relative_to(root).parts[0] != "checkpoint"}
-    log.info("job %s ran on node %s", sweep_config.hydra.job.num, ray.get_runtime_context().get_node_id())
-    return ret, subdir, files
+    return ret, subdir, node, files
 
 
 class RayClusterLauncher(Launcher):
@@ -173,12 +174,13 @@ class RayClusterLauncher(Launcher):
             results, crashed = [], []
             for i, (ref, overrides) in enumerate(zip(refs, job_overrides)):
                 try:
-                    ret, subdir, files = ray.get(ref)
+                    ret, subdir, node, files = ray.get(ref)
                 except Exception as err:  # its process died (out of memory, node lost): the other jobs go on
                     reason = (str(err).strip().splitlines() or [type(err).__name__])[-1]
                     crashed.append(f"#{initial_job_idx + i} ({' '.join(overrides)}): {reason}")
                     log.error("job #%d crashed: %s", initial_job_idx + i, reason)
                     continue
+                log.info("job %d ran on node %s", initial_job_idx + i, node)
                 if files is not None:
                     written = _write_tree(sweep_dir / subdir, files)
                     log.info("job %s ran on another node: %d of its %d files copied into %s", subdir,
