@@ -266,6 +266,7 @@ class RayEngine(Engine):
                                    f"{self.max_restarts} restarts (engine.max_restarts)")
             self._recover(f"round {ctx.round + 1}")
             todo = sorted(failed)
+        t_commit = time.perf_counter()
         self._finish_round(ctx, lending)
         done = [r for r in results if r is not None]
         if root is not None:
@@ -274,7 +275,8 @@ class RayEngine(Engine):
             self.manifest.record(ctx.round, r.states_written)
         self._stats = self.scheduler.record(plan, [r.client_seconds for r in done], [r.busy_seconds for r in done])
         self._stats["sched_engine_s"] = time.perf_counter() - t0
-        self._stats["sched_reduce_s"] = time.perf_counter() - t_reduce
+        self._stats["sched_reduce_s"] = t_commit - t_reduce
+        self._stats["sched_commit_s"] = time.perf_counter() - t_commit  # staged states applied, manifest
         self._stats["sched_driver_in_bytes"] = received_bytes() - inbound  # tensors the driver received
         return done
 
