@@ -47,7 +47,7 @@ MAX_ARTEFACT_BYTES = 20 * 2**20  # all documents' artefacts together (issue 17)
 # A document is registered once every run of it has its artefact committed (the others, still to be
 # rerun on this infrastructure, keep their earlier text: docs/results/README.md).
 DOCUMENTS = {"baselines": "results_baselines", "privacy": "results_privacy", "compression": "results_compression",
-             "heterogeneity": "results_heterogeneity"}
+             "heterogeneity": "results_heterogeneity", "oneshot": "results_oneshot"}
 
 Run = dict[str, Any]  # {"name", "config" (flattened), "summary", "rows", "stats"}
 
@@ -650,15 +650,22 @@ def main_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str]
     return md_table(header, rows), diffs
 
 
+def last_wins(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` as Hydra applies them: of several ``key=value`` for one key only the last counts."""
+    last = {o.split("=", 1)[0]: i for i, o in enumerate(overrides)}
+    return [o for i, o in enumerate(overrides) if last[o.split("=", 1)[0]] == i]
+
+
 def rows_list(s: Setting, tags: Sequence[str]) -> str:
-    """The overrides that tell the rows apart (the setting's own are printed once above)."""
+    """The overrides that tell the rows apart (the setting's own are printed once above), each key once
+    with the value the run used."""
     common = {*s.overrides, f"rounds={s.rounds}", *TAIL, "engine.threads_per_worker=1",
               *(preset_overrides(s.preset) if s.preset else ())}
     out = []
     for tag in tags:
         row = s.row(tag)
         if row is not None:
-            out.append(f"- {row.label}: `{' '.join(o for o in s.overrides_of(row) if o not in common)}`")
+            out.append(f"- {row.label}: `{' '.join(o for o in last_wins(s.overrides_of(row)) if o not in common)}`")
     return "\n".join(out) + "\n"
 
 
