@@ -44,8 +44,8 @@ LEVEL = 0.95
 MAX_ARTEFACT_BYTES = 20 * 2**20  # all documents' artefacts together (issue 17)
 
 # The results scripts, by document: each has main(argv) with --from-artefacts and --no-plots.
-# A document is registered once every run of it has its artefact committed (the others, still to be
-# rerun on this infrastructure, keep their earlier text: docs/results/README.md).
+# Every results document, rebuilt from its committed artefacts by tests/test_results_docs.py (a new
+# document is registered once every run of it has its artefact committed).
 DOCUMENTS = {"baselines": "results_baselines", "privacy": "results_privacy", "compression": "results_compression",
              "heterogeneity": "results_heterogeneity", "oneshot": "results_oneshot"}
 
