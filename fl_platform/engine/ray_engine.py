@@ -289,7 +289,7 @@ class RayEngine(Engine):
         step = 1
         while step < len(refs):
             for a in range(0, len(refs) - step, 2 * step):
-                refs[a] = self.pool[a].merge.remote(refs[a], refs[a + step], last=2 * step >= len(refs))
+                refs[a] = self.pool[a].merge.remote(refs[a], refs[a + step], 2 * step >= len(refs))
             step *= 2
         return refs[0]
 
@@ -316,9 +316,9 @@ class RayEngine(Engine):
                                                       split=self.tree)
             elif self.tree:
                 refs[w], partials[w] = self.pool[w].run_round_parts.options(num_returns=2).remote(
-                    ctx, bc_ref, assignment[w], expect=expect[w], split=True)
+                    ctx, bc_ref, assignment[w], expect[w], 0, True)
             else:
-                refs[w] = self.pool[w].run_round_parts.remote(ctx, bc_ref, assignment[w], expect=expect[w])
+                refs[w] = self.pool[w].run_round_parts.remote(ctx, bc_ref, assignment[w], expect[w])
         return refs
 
     def _collect(self, refs: dict[int, Any], results: list) -> set[int]:

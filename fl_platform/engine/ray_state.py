@@ -34,7 +34,7 @@ class Lending:
         clients); returns the references to its result and, with ``split``, to its partial aggregate."""
         extra = 1 if split else 0
         out = actors[trainer].run_round_parts.options(num_returns=1 + extra + self.num_workers).remote(
-            ctx, broadcast, clients, *lent, expect=expect, homes=self.num_workers, split=split)
+            ctx, broadcast, clients, expect, self.num_workers, split, *lent)
         self.parts[trainer] = list(out[1 + extra:])
         return out[0], (out[1] if split else None)
 
