@@ -310,7 +310,8 @@ def budget_section(s: Setting, cells: dict[str, dict[int, rc.Run]], plots: Path 
     return ("### Budget curve\n\nEach method at its main budget and at a larger one (twice the local epochs, 4 -> 8: "
             "the clients' models, FedDF's teachers, FuseFL's 2 -> 4 epochs per block, multi-round FedAvg's rounds; "
             "DENSE and Co-Boosting, on the main client models: twice the generator epochs, 20 -> 40, and the card's "
-            "generator width, ngf 16 -> 64 at 20 epochs), paired by seed over the seeds both budgets ran.\n\n" + rc.md_table(header, rows) + f"\n![budget curve]({name})\n")
+            "generator width, ngf 16 -> 64 at 20 epochs), paired by seed over the seeds both budgets ran.\n\n"
+            + rc.md_table(header, rows) + f"\n![budget curve]({name})\n")
 
 
 def plot_budget(curves: dict[str, tuple[rc.Interval, rc.Interval]], path: Path) -> None:

@@ -316,7 +316,7 @@ class RayEngine(Engine):
                                                       split=self.tree)
             elif self.tree:
                 refs[w], partials[w] = self.pool[w].run_round_parts.options(num_returns=2).remote(
-                    ctx, bc_ref, assignment[w], expect[w], 0, True)
+                    ctx, bc_ref, assignment[w], expect[w], 0, True)  # expect, homes, split
             else:
                 refs[w] = self.pool[w].run_round_parts.remote(ctx, bc_ref, assignment[w], expect[w])
         return refs
