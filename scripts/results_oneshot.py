@@ -195,7 +195,8 @@ BUDGET = [  # (method, measure at the main budget, measure at the larger budget,
     ("Co-Boosting (width)", BY_NAME["coboost"], Measure("coboost_w", "Co-Boosting, the card's generator width",
                                                         "coboost_w"), "generator width (ngf 16 -> 64)"),
 ]
-BY_NAME.update({m.name: m for _, _, m, _ in BUDGET[-4:]})  # the generator methods' larger budgets, compared below
+# The generator methods' larger budgets, compared below (by what grows, not by position in BUDGET).
+BY_NAME.update({m.name: m for _, _, m, what in BUDGET if what.startswith("generator")})
 # (measure, against, what the comparison tests)
 COMPARISONS = [
     ("noise_fedavg", "fedavg", "noise floor: shuffling alone, one-shot FedAvg"),

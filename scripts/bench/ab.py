@@ -1,0 +1,127 @@
+#!/usr/bin/env python
+"""A/B of one engine configuration's round time: this checkout against another (an earlier commit).
+
+Rounds of a few milliseconds move by 10-20 % from run to run on a shared VM, more than the
+differences worth finding, and a noisy host slows both sides alike. So the two checkouts run in
+fresh processes one after the other, ``--pairs`` times, and the comparison is the paired ratio
+this / base of each pair's median round (rounds 2 .. R-1: round 1 warms up, the last evaluates):
+its geometric mean with a 95 % t-interval over the pairs' log ratios.
+
+The base needs the same benchmark helpers (``scripts/bench/common.py``'s ``compose`` and
+``engine.py``'s ``our_overrides``), which every commit since the engine benchmark has.
+
+    git worktree add ../base 4d37b44
+    python scripts/bench/ab.py --base ../base --pairs 12            # appends a set to docs/results/bench_ab.json
+    python scripts/bench/ab.py --from-results                       # the sets recorded so far
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `common` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+from results_common import interval
+
+RESULTS = REPO / "docs" / "results" / "bench_ab.json"
+#: Run inside the checkout under test (cwd and PYTHONPATH): prints one JSON line.
+CHILD = """
+import json, statistics, sys
+sys.path.insert(0, "scripts/bench")
+from common import compose
+import engine as E
+from fl_platform.experiment import build
+config, rounds, *extra = sys.argv[1:]
+exp = build(compose(*E.our_overrides(config, int(rounds)), *extra))
+try:
+    exp.simulation.run()
+finally:
+    exp.engine.close()
+times = [r["round_time_s"] for r in exp.simulation.history[1:-1]]
+print(json.dumps({"median_round_s": statistics.median(times)}))
+"""
+
+
+def git_commit(path: Path) -> str:
+    out = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def run_once(checkout: Path, config: str, rounds: int, extra: list[str], timeout: float) -> float:
+    env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    proc = subprocess.run([sys.executable, "-c", CHILD, config, str(rounds), *extra], cwd=checkout, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"run in {checkout} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return float(json.loads(lines[-1])["median_round_s"])
+
+
+def summary(pairs: list[tuple[float, float]]) -> str:
+    """``n pairs: base median, this median, ratio [lo, hi]`` (geometric mean of this / base)."""
+    iv = interval([math.log(this / base) for base, this in pairs])
+    base_ms = statistics.median(b for b, _ in pairs) * 1e3
+    this_ms = statistics.median(t for _, t in pairs) * 1e3
+    if iv.n < 2:
+        return f"{iv.n} pair(s): too few for an interval"
+    return (f"{iv.n} pairs: median rounds {base_ms:.2f} ms (base) and {this_ms:.2f} ms (this); ratio this / base "
+            f"{math.exp(iv.mean):.3f} [{math.exp(iv.mean - iv.half):.3f}, {math.exp(iv.mean + iv.half):.3f}]")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", type=Path, help="the other checkout (e.g. a git worktree of an earlier commit)")
+    p.add_argument("--pairs", type=int, default=12)
+    p.add_argument("--config", default="100/10", help="an engine benchmark configuration (clients/per round)")
+    p.add_argument("--rounds", type=int, default=300)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--from-results", action="store_true", help="summarise the recorded sets; run nothing")
+    p.add_argument("overrides", nargs="*", default=["engine=ray", "engine.num_workers=2",
+                                                    "engine.threads_per_worker=1"],
+                   help="config overrides of both sides (default: Ray, 2 workers, 1 thread each)")
+    a = p.parse_args()
+    sets = json.loads(a.results.read_text())["sets"] if a.results.exists() else []
+    if a.from_results:
+        for s in sets:
+            print(f"{s['date']} {s['config']} {' '.join(s['overrides'])}, {s['base_commit']} -> {s['this_commit']}: "
+                  f"{summary([tuple(x) for x in s['pairs']])}")
+        everything = [tuple(x) for s in sets for x in s["pairs"]]
+        if len(sets) > 1:
+            print(f"all sets: {summary(everything)}")
+        return
+    if a.base is None or not (a.base / "fl_platform").is_dir():
+        p.error("--base must be another checkout of the platform (a folder holding fl_platform/)")
+    if a.pairs < 2 or a.rounds < 3:
+        p.error("--pairs must be >= 2 and --rounds >= 3")
+    pairs: list[tuple[float, float]] = []
+    for i in range(a.pairs):
+        base = run_once(a.base.resolve(), a.config, a.rounds, a.overrides, a.timeout)
+        this = run_once(REPO, a.config, a.rounds, a.overrides, a.timeout)
+        pairs.append((base, this))
+        print(f"[ab] pair {i + 1}/{a.pairs}: base {base * 1e3:.3f} ms, this {this * 1e3:.3f} ms "
+              f"(load {os.getloadavg()[0]:.2f})", flush=True)
+    print(summary(pairs))
+    sets.append({"date": time.strftime("%Y-%m-%d"), "config": a.config, "rounds": a.rounds, "overrides": a.overrides,
+                 "base_commit": git_commit(a.base), "this_commit": git_commit(REPO), "pairs": pairs})
+    a.results.parent.mkdir(parents=True, exist_ok=True)
+    tmp = a.results.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"sets": sets}, indent=1))
+    tmp.replace(a.results)
+
+
+if __name__ == "__main__":
+    main()
