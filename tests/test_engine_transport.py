@@ -86,3 +86,33 @@ def test_a_datasets_tensors_arrive_as_views_of_the_received_buffers():
     assert got["weights"].data_ptr() != message["weights"].data_ptr()
     got["weights"].add_(1)  # still a writable copy
     assert torch.equal(ds.client_indices(3), data.client_indices(3))
+
+
+def test_views_packed_tensors_arrive_as_views_and_are_counted_as_received():
+    """``Packed(views=True)`` (a reduction step's inputs): no copy on arrival; every tensor's bytes
+    count in ``received_bytes`` (the driver's inbound traffic per round)."""
+    from fl_platform.engine.transport import received_bytes
+
+    agg = Aggregate()
+    agg.add({"delta": torch.randn(6, dtype=torch.float64)}, {"n": 3.0})
+    buffers: list[pickle.PickleBuffer] = []
+    before = received_bytes()
+    wire = pickle.dumps(Packed(agg, views=True), protocol=5, buffer_callback=buffers.append)
+    got = pickle.loads(wire, buffers=buffers)
+    assert got.tensors["delta"].data_ptr() == agg.tensors["delta"].data_ptr()
+    assert received_bytes() - before == 6 * 8
+    plain: list[pickle.PickleBuffer] = []
+    copied = pickle.loads(pickle.dumps(Packed(agg), protocol=5, buffer_callback=plain.append), buffers=plain)
+    assert copied.tensors["delta"].data_ptr() != agg.tensors["delta"].data_ptr()
+
+
+def test_tensors_anywhere_in_the_value_travel_as_numpy_and_older_protocols_work():
+    from types import SimpleNamespace
+
+    value = {"box": SimpleNamespace(t=torch.arange(5.0)), "pair": (torch.ones(2), 3)}
+    wire = pickle.dumps(Packed(value), protocol=5)
+    assert b"_rebuild_tensor" not in wire
+    got = pickle.loads(wire)
+    assert torch.equal(got["box"].t, torch.arange(5.0)) and torch.equal(got["pair"][0], torch.ones(2))
+    old = pickle.loads(pickle.dumps(Packed(value), protocol=4))  # no out-of-band buffers before protocol 5
+    assert torch.equal(old["box"].t, torch.arange(5.0)) and old["pair"][1] == 3

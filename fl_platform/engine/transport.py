@@ -8,11 +8,15 @@ receiver gets the original value back, bit-identical, with writable CPU tensors.
 accelerator is copied to the CPU before it travels, so nothing is ever deserialised onto a device
 the receiver may not have (the receiver moves what it needs to its own device).
 
-The walk covers dicts, lists, tuples and dataclass instances (Broadcast, WorkerResult, Aggregate,
-ClientUpdate, ExperimentSetup and the dataset inside it); tensors elsewhere fall back to torch's
-pickling, which is slower but equally exact.
+A packed value goes through the platform's own pickler (``_Pickler``), which alone carries these
+reductions: they reach every tensor of exactly ``torch.Tensor`` type anywhere in the value, and
+tensor subclasses (``nn.Parameter``) keep torch's pickling, slower but equally exact. The value's
+structure is pickled at C speed into one bytes object and its arrays' buffers are handed to
+whoever pickles the ``Packed`` (Ray) to move out of band. A worker's 5-client result (a 9,610-
+parameter aggregate) takes 16 us to pack and 13 us to unpack this way (pickle alone), against 70 and
+60 us when the engine walked the value to swap its tensors before pickling it.
 
-The dataset's tensors (a ``FederatedDataset`` anywhere in the value) are the exception to
+The dataset's tensors (a ``FederatedDataset``, exactly that type, anywhere in the value) are the exception to
 "writable": they arrive as views of the received buffers, not copies. Through Ray that is the
 node's object-store copy, shared by every worker of the node, so a node holds the training data
 once however many workers it runs (a million Synthetic clients: 3.4 GB per node instead of one
@@ -22,10 +26,10 @@ them for the other workers of its node.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
+import copyreg
+import io
+import pickle
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -37,73 +41,67 @@ _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch
                  torch.uint8, torch.bool, torch.complex64, torch.complex128}
 
 
-@dataclasses.dataclass(frozen=True)
-class _Array:
-    """A tensor in transit: its values as a numpy array, or torch-pickled when numpy cannot hold them."""
-
-    data: Any
-    requires_grad: bool
-    shared: bool = False  # a dataset's: the receiver keeps a view of the buffer (module docstring)
-
-    def tensor(self) -> torch.Tensor:
-        if isinstance(self.data, torch.Tensor):
-            t = self.data
-        elif self.shared:
-            with warnings.catch_warnings():  # Ray's zero-copy arrays are flagged read-only; torch warns
-                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-                t = torch.from_numpy(self.data)
-        else:  # a writable copy: Ray hands out read-only zero-copy arrays
-            t = torch.from_numpy(np.array(self.data))
-        return t.requires_grad_() if self.requires_grad else t
+def _tensor_from(data: Any, requires_grad: bool, shared: bool) -> torch.Tensor:
+    """The receiver's tensor: a writable copy of ``data`` (a numpy array), or with ``shared`` a view of
+    it (a dataset's: module docstring)."""
+    if shared:
+        with warnings.catch_warnings():  # Ray's zero-copy arrays are flagged read-only; torch warns
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            t = torch.from_numpy(data)
+    else:  # a writable copy: Ray hands out read-only zero-copy arrays
+        t = torch.from_numpy(np.array(data))
+    _RECEIVED[0] += t.numel() * t.element_size()
+    return t.requires_grad_() if requires_grad else t
 
 
-def _encode_tensor(t: torch.Tensor) -> _Array:
+def _reduce_tensor(t: torch.Tensor, shared: bool = False) -> tuple[Any, tuple[Any, ...]]:
     requires_grad = t.requires_grad
     t = t.detach().cpu()
     if t.layout == torch.strided and t.dtype in _NUMPY_DTYPES and not t.is_quantized:
-        return _Array(t.resolve_conj().resolve_neg().numpy(), requires_grad)
-    return _Array(t, False)  # bfloat16, sparse, quantized: torch's pickling (CPU tensors only)
+        return _tensor_from, (t.resolve_conj().resolve_neg().numpy(), requires_grad, shared)
+    return t.__reduce_ex__(5)  # bfloat16, sparse, quantized: torch's pickling (CPU tensors only)
 
 
-def _encode_shared(t: torch.Tensor) -> _Array:
-    return dataclasses.replace(_encode_tensor(t), shared=True)
+def _reduce_shared(t: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
+    return _reduce_tensor(t, shared=True)
 
 
-#: Values that hold no tensor: a container of only these is kept as it is (no walk, no copy).
-_PLAIN = frozenset({int, float, str, bool, type(None), bytes})
+class _Shared:
+    """A dataset's tensor in a message: it travels like any other and arrives as a view."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _reduce_shared(self.tensor)
 
 
-def _plain(values: Any) -> bool:
-    return all(type(v) in _PLAIN for v in values)
+def _reduce_dataset(data: FederatedDataset) -> tuple[Any, tuple[Any, ...]]:
+    state = {k: _Shared(v) if isinstance(v, torch.Tensor) else v for k, v in vars(data).items()}
+    return _rebuild, (type(data), state)
 
 
-def _walk(value: Any, leaf: Callable[[Any], Any], tensor_type: type,
-          dataset_leaf: Callable[[Any], Any] | None = None) -> Any:
-    """``value`` with ``leaf(x)`` for every ``tensor_type`` x in it (``dataset_leaf(x)`` inside a dataset)."""
-    kind = type(value)
-    if kind in _PLAIN:
-        return value
-    if isinstance(value, tensor_type):
-        return leaf(value)
-    if isinstance(value, dict):
-        if _plain(value.values()):  # metrics, per-client statistics: most of a result's entries
-            return value
-        return {k: _walk(v, leaf, tensor_type, dataset_leaf) for k, v in value.items()}
-    if isinstance(value, list):
-        if _plain(value):
-            return value
-        return [_walk(v, leaf, tensor_type, dataset_leaf) for v in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_walk(v, leaf, tensor_type, dataset_leaf) for v in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        if dataset_leaf is not None and isinstance(value, FederatedDataset):
-            leaf = dataset_leaf
-        out = copy.copy(value)
-        for f in dataclasses.fields(value):
-            if hasattr(value, f.name):
-                object.__setattr__(out, f.name, _walk(getattr(value, f.name), leaf, tensor_type, dataset_leaf))
-        return out
-    return value
+def _rebuild(cls: type, state: dict[str, Any]) -> Any:
+    out = object.__new__(cls)
+    vars(out).update(state)
+    return out
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a Packed value: its tensors as numpy arrays (writable copies on arrival), a
+    ``FederatedDataset``'s as views. Only this pickler has these reductions (no process-wide
+    serialiser); they apply to tensors of exactly ``torch.Tensor`` type and datasets of exactly
+    ``FederatedDataset`` type, anywhere in the value (subclasses keep their own pickling)."""
+
+    dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor, FederatedDataset: _reduce_dataset}
+
+
+class _ViewsPickler(pickle.Pickler):
+    """``_Pickler`` with every tensor arriving as a view (``Packed(views=True)``)."""
+
+    dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_shared, FederatedDataset: _reduce_dataset}
 
 
 #: Tensor bytes this process has received in Packed messages (what the engine reports as the driver's
@@ -115,14 +113,8 @@ def received_bytes() -> int:
     return _RECEIVED[0]
 
 
-def _receive(array: _Array) -> torch.Tensor:
-    t = array.tensor()
-    _RECEIVED[0] += t.numel() * t.element_size()
-    return t
-
-
-def _unpack(encoded: Any) -> Any:
-    return _walk(encoded, _receive, _Array)
+def _load(header: bytes, buffers: list[Any]) -> Any:
+    return pickle.loads(header, buffers=buffers)
 
 
 class Packed:
@@ -139,6 +131,12 @@ class Packed:
         self.value = value
         self.views = views
 
-    def __reduce__(self) -> tuple[Any, tuple[Any]]:
-        leaf = _encode_shared if self.views else _encode_tensor
-        return _unpack, (_walk(self.value, leaf, torch.Tensor, _encode_shared),)
+    def __reduce_ex__(self, protocol: int) -> tuple[Any, tuple[bytes, list[pickle.PickleBuffer]]]:
+        # The value through our own pickler (C speed, no walk over the value), its arrays' buffers
+        # apart: whoever pickles the Packed (Ray) moves them out of band, without a copy.
+        buffers: list[pickle.PickleBuffer] = []
+        out = io.BytesIO()
+        pickler = (_ViewsPickler if self.views else _Pickler)(
+            out, protocol=5, buffer_callback=buffers.append if protocol >= 5 else None)
+        pickler.dump(self.value)
+        return _load, (out.getvalue(), buffers)
