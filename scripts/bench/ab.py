@@ -12,6 +12,7 @@ The base needs the same benchmark helpers (``scripts/bench/common.py``'s ``compo
 
     git worktree add ../base 4d37b44
     python scripts/bench/ab.py --base ../base --pairs 12            # appends a set to docs/results/bench_ab.json
+    python scripts/bench/ab.py --base ../base --pairs 6 --calls     # a round's call pair alone (transport)
     python scripts/bench/ab.py --from-results                       # the sets recorded so far
 """
 
@@ -53,16 +54,75 @@ times = [r["round_time_s"] for r in exp.simulation.history[1:-1]]
 print(json.dumps({"median_round_s": statistics.median(times)}))
 """
 
+#: ``--calls``: one call pair of a round (two actors that do no work, each answering with a fixed
+#: 5-client result of a 9,610-parameter aggregate), through the checkout's own transport: the
+#: engine's ``Packed`` messages, or at commits before them (4d37b44) the process-wide serialiser.
+CALLS = """
+import importlib.util, json, statistics, sys, time
+import ray, torch
+from fl_platform.core import Aggregate, Broadcast, Metrics, RoundContext
+PACKED = importlib.util.find_spec("fl_platform.engine.transport") is not None
+if PACKED:
+    from fl_platform.engine.transport import Packed
+    from fl_platform.rounds.engine import WorkerResult
+else:
+    from fl_platform.engine.ray_engine import use_fast_tensor_transport
+    from fl_platform.engine.worker import WorkerResult
+
+def result():
+    agg = Aggregate()
+    agg.add({"delta": torch.randn(9610)}, {"n": 5.0}, 5)
+    m = Metrics()
+    for k in ("loss", "accuracy", "steps", "train_s", "n"):
+        m.add(k, 1.0, 2.0)
+    return WorkerResult(0, agg, [], m, {c: 0.01 for c in range(5)}, 0.05, 1000, 1000,
+                        client_stats={c: {"bytes_up": 1.0, "samples": 12.0} for c in range(5)})
+
+calls = int(sys.argv[1])
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+@ray.remote(num_cpus=1)
+class Worker:
+    def __init__(self):
+        if not PACKED:
+            use_fast_tensor_transport()
+        self.result = result()
+
+    def call(self, ctx, broadcast, client_ids, *rest):
+        return Packed(self.result) if PACKED else self.result
+
+if not PACKED:
+    use_fast_tensor_transport()
+workers = [Worker.remote(), Worker.remote()]
+ray.get([w.call.remote(0, 0, 0) for w in workers])
+ctx = RoundContext(round=3, num_rounds=300, clients=list(range(10)), seed=0, num_clients=100)
+bc = Broadcast({"weights": torch.randn(9610)}, {"lr": 0.1})
+runs = []
+for _ in range(5):
+    t = time.perf_counter()
+    for _ in range(calls):
+        if PACKED:
+            packed = Packed(bc)
+            refs = [w.call.remote(ctx, packed, [1, 2, 3, 4, 5], None) for w in workers]
+        else:
+            refs = [w.call.remote(ctx, bc, [1, 2, 3, 4, 5]) for w in workers]
+        [ray.get(r) for r in refs]
+    runs.append((time.perf_counter() - t) / calls)
+ray.shutdown()
+print(json.dumps({"median_round_s": statistics.median(runs)}))
+"""
+
 
 def git_commit(path: Path) -> str:
     out = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return out.stdout.strip() or "unknown"
 
 
-def run_once(checkout: Path, config: str, rounds: int, extra: list[str], timeout: float) -> float:
+def run_once(checkout: Path, config: str, rounds: int, extra: list[str], timeout: float, calls: bool) -> float:
     env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    proc = subprocess.run([sys.executable, "-c", CHILD, config, str(rounds), *extra], cwd=checkout, env=env,
+    args = [CALLS, str(rounds)] if calls else [CHILD, config, str(rounds), *extra]
+    proc = subprocess.run([sys.executable, "-c", *args], cwd=checkout, env=env,
                           capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -89,6 +149,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=300)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--calls", action="store_true",
+                   help="time a round's call pair alone (actors that do no work; --rounds calls per run, 5 runs)")
     p.add_argument("--from-results", action="store_true", help="summarise the recorded sets; run nothing")
     p.add_argument("overrides", nargs="*", default=["engine=ray", "engine.num_workers=2",
                                                     "engine.threads_per_worker=1"],
@@ -99,9 +161,13 @@ def main() -> None:
         for s in sets:
             print(f"{s['date']} {s['config']} {' '.join(s['overrides'])}, {s['base_commit']} -> {s['this_commit']}: "
                   f"{summary([tuple(x) for x in s['pairs']])}")
-        everything = [tuple(x) for s in sets for x in s["pairs"]]
-        if len(sets) > 1:
-            print(f"all sets: {summary(everything)}")
+        pooled: dict[tuple[str, ...], list[tuple[float, float]]] = {}
+        for s in sets:  # the sets of one comparison (same commits, configuration and overrides) pooled
+            key = (s["base_commit"], s["this_commit"], s["config"], " ".join(s["overrides"]))
+            pooled.setdefault(key, []).extend(tuple(x) for x in s["pairs"])
+        for (base, this, config, overrides), pairs in pooled.items():
+            if sum(1 for s in sets if (s["base_commit"], s["this_commit"]) == (base, this)) > 1:
+                print(f"pooled {config} {overrides}, {base} -> {this}: {summary(pairs)}")
         return
     if a.base is None or not (a.base / "fl_platform").is_dir():
         p.error("--base must be another checkout of the platform (a folder holding fl_platform/)")
@@ -109,13 +175,14 @@ def main() -> None:
         p.error("--pairs must be >= 2 and --rounds >= 3")
     pairs: list[tuple[float, float]] = []
     for i in range(a.pairs):
-        base = run_once(a.base.resolve(), a.config, a.rounds, a.overrides, a.timeout)
-        this = run_once(REPO, a.config, a.rounds, a.overrides, a.timeout)
+        base = run_once(a.base.resolve(), a.config, a.rounds, a.overrides, a.timeout, a.calls)
+        this = run_once(REPO, a.config, a.rounds, a.overrides, a.timeout, a.calls)
         pairs.append((base, this))
         print(f"[ab] pair {i + 1}/{a.pairs}: base {base * 1e3:.3f} ms, this {this * 1e3:.3f} ms "
               f"(load {os.getloadavg()[0]:.2f})", flush=True)
     print(summary(pairs))
-    sets.append({"date": time.strftime("%Y-%m-%d"), "config": a.config, "rounds": a.rounds, "overrides": a.overrides,
+    config, overrides = ("calls", ["two idle actors"]) if a.calls else (a.config, a.overrides)
+    sets.append({"date": time.strftime("%Y-%m-%d"), "config": config, "rounds": a.rounds, "overrides": overrides,
                  "base_commit": git_commit(a.base), "this_commit": git_commit(REPO), "pairs": pairs})
     a.results.parent.mkdir(parents=True, exist_ok=True)
     tmp = a.results.with_suffix(".tmp")
