@@ -116,3 +116,17 @@ def test_tensors_anywhere_in_the_value_travel_as_numpy_and_older_protocols_work(
     assert torch.equal(got["box"].t, torch.arange(5.0)) and torch.equal(got["pair"][0], torch.ones(2))
     old = pickle.loads(pickle.dumps(Packed(value), protocol=4))  # no out-of-band buffers before protocol 5
     assert torch.equal(old["box"].t, torch.arange(5.0)) and old["pair"][1] == 3
+
+
+def test_classes_defined_in_a_function_travel_by_value():
+    """A user's model or data class given to the Python API may be local: the message still pickles
+    (as Ray's own pickling would), with its tensors as numpy."""
+
+    class Local:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+    wire = pickle.dumps(Packed({"obj": Local(torch.arange(3.0))}), protocol=5)
+    assert b"_rebuild_tensor" not in wire
+    got = pickle.loads(wire)["obj"]
+    assert type(got).__name__ == "Local" and torch.equal(got.t, torch.arange(3.0))
