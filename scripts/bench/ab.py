@@ -31,7 +31,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO
+from common import REPO, run_child
 
 sys.path.insert(0, str(REPO / "scripts"))
 from results_common import interval
@@ -40,18 +40,18 @@ RESULTS = REPO / "docs" / "results" / "bench_ab.json"
 #: Run inside the checkout under test (cwd and PYTHONPATH): prints one JSON line.
 CHILD = """
 import json, statistics, sys
-sys.path.insert(0, "scripts/bench")
 from common import compose
 import engine as E
 from fl_platform.experiment import build
-config, rounds, *extra = sys.argv[1:]
+*args, _, out = sys.argv[1:]  # ... --out FILE
+config, rounds, *extra = args
 exp = build(compose(*E.our_overrides(config, int(rounds)), *extra))
 try:
     exp.simulation.run()
 finally:
     exp.engine.close()
 times = [r["round_time_s"] for r in exp.simulation.history[1:-1]]
-print(json.dumps({"median_round_s": statistics.median(times)}))
+open(out, "w").write(json.dumps({"median_round_s": statistics.median(times)}))
 """
 
 #: ``--calls``: one call pair of a round (two actors that do no work, each answering with a fixed
@@ -78,7 +78,7 @@ def result():
     return WorkerResult(0, agg, [], m, {c: 0.01 for c in range(5)}, 0.05, 1000, 1000,
                         client_stats={c: {"bytes_up": 1.0, "samples": 12.0} for c in range(5)})
 
-calls = int(sys.argv[1])
+calls, out = int(sys.argv[1]), sys.argv[3]  # CALLS --out FILE
 ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 
 @ray.remote(num_cpus=1)
@@ -109,7 +109,7 @@ for _ in range(5):
         [ray.get(r) for r in refs]
     runs.append((time.perf_counter() - t) / calls)
 ray.shutdown()
-print(json.dumps({"median_round_s": statistics.median(runs)}))
+open(out, "w").write(json.dumps({"median_round_s": statistics.median(runs)}))
 """
 
 
@@ -119,15 +119,13 @@ def git_commit(path: Path) -> str:
 
 
 def run_once(checkout: Path, config: str, rounds: int, extra: list[str], timeout: float, calls: bool) -> float:
-    env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    """One fresh process in ``checkout`` (run_child: its process tree, Ray's included, stopped after)."""
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     args = [CALLS, str(rounds)] if calls else [CHILD, config, str(rounds), *extra]
-    proc = subprocess.run([sys.executable, "-c", *args], cwd=checkout, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"run in {checkout} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-    return float(json.loads(lines[-1])["median_round_s"])
+    res = run_child([sys.executable, "-c", *args], timeout, env=env, checkout=checkout)
+    if not res.ok:
+        raise RuntimeError(f"run in {checkout} failed: {res.error}")
+    return float(res.data["median_round_s"])
 
 
 def summary(pairs: list[tuple[float, float]]) -> str:

@@ -96,16 +96,18 @@ class ChildResult:
 
 
 def run_child(args: list[str], timeout: float, env: dict[str, str] | None = None,
-              monitor: Callable[[int], PeakRSS] | None = None) -> ChildResult:
+              monitor: Callable[[int], PeakRSS] | None = None, checkout: Path = REPO) -> ChildResult:
     """Run ``python -c 'import engine; engine.child_main()' <args>`` style commands: the child writes
     its result as JSON to the file named by ``--out``; the parent samples its process tree's RSS
-    (with ``monitor(pid)``, a ``PeakRSS`` or a subclass, when given; ``ChildResult.monitor`` is it)."""
+    (with ``monitor(pid)``, a ``PeakRSS`` or a subclass, when given; ``ChildResult.monitor`` is it).
+    The child runs in ``checkout`` (another copy of the platform, for an A/B), importing from it."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         out = Path(fh.name)
     child_env = {**os.environ, **(env or {})}
-    child_env["PYTHONPATH"] = os.pathsep.join([str(BENCH_DIR), str(REPO), child_env.get("PYTHONPATH", "")])
+    bench_dir = checkout / BENCH_DIR.relative_to(REPO)
+    child_env["PYTHONPATH"] = os.pathsep.join([str(bench_dir), str(checkout), child_env.get("PYTHONPATH", "")])
     t0 = time.perf_counter()
-    proc = subprocess.Popen([*args, "--out", str(out)], env=child_env, cwd=REPO, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([*args, "--out", str(out)], env=child_env, cwd=checkout, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     log: list[str] = []
     reader = threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
