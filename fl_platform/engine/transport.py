@@ -17,12 +17,12 @@ arrays' buffers are handed to whoever pickles the ``Packed`` (Ray) to move out o
 (pickling alone), against 70 and 60 us when the engine walked the value in Python to swap its
 tensors before pickling it.
 
-The dataset's tensors (a ``FederatedDataset``, exactly that type, anywhere in the value) are the exception to
-"writable": they arrive as views of the received buffers, not copies. Through Ray that is the
-node's object-store copy, shared by every worker of the node, so a node holds the training data
-once however many workers it runs (a million Synthetic clients: 3.4 GB per node instead of one
-more copy per worker). Nothing writes to a dataset's tensors; a worker that did would change
-them for the other workers of its node.
+The dataset's tensors (a ``FederatedDataset``, exactly that type, anywhere in the value) are the
+exception to "writable": they arrive as views of the received buffers, not copies. Through Ray that
+is the node's object-store copy, shared by every worker of the node, so a node holds the training
+data once however many workers it runs (a million Synthetic clients: 3.4 GB per node instead of one
+more copy per worker). Nothing writes to a dataset's tensors; a worker that did would change them
+for the other workers of its node.
 """
 
 from __future__ import annotations
