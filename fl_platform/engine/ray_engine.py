@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from fl_platform.core import Aggregate, Broadcast, RoundContext
-from fl_platform.engine.ray_actors import START_TIMEOUT_S, ActorPool, hold_eval_gpu
+from fl_platform.engine.ray_actors import START_TIMEOUT_S, ActorPool, RoundCall, hold_eval_gpu
 from fl_platform.engine.ray_cluster import connect
 from fl_platform.engine.ray_placement import conf_value, plan_placement
 from fl_platform.engine.ray_state import Lending
@@ -243,13 +243,14 @@ class RayEngine(Engine):
         lending = Lending(plan.assignment, self.num_workers) if self.lend else None
         expect = [self.manifest.expected(clients) if self.stateful else None for clients in plan.assignment]
         results: list[WorkerResult | None] = [None] * self.num_workers
-        packed = Packed(broadcast)
-        bc_ref = ray.put(packed) if broadcast.nbytes() > INLINE_BYTES else packed
+        # A small broadcast travels inside each worker's call; a large one is put into the object
+        # store once and every worker reads the same copy.
+        bc_ref = ray.put(Packed(broadcast)) if broadcast.nbytes() > INLINE_BYTES else None
         inbound = received_bytes()
         partials: list[Any] = [None] * self.num_workers  # with the tree: references to the partial aggregates
         todo = list(range(self.num_workers))
         for attempt in range(self.max_restarts + 1):
-            refs = self._submit(ctx, bc_ref, plan.assignment, expect, lending, todo, partials)
+            refs = self._submit(ctx, broadcast, bc_ref, plan.assignment, expect, lending, todo, partials)
             # Submitted now, the tree's steps run as soon as their two partials exist: most of the
             # reduction overlaps with the slowest workers' training.
             root = self._reduction_tree(partials) if self.tree else None
@@ -301,24 +302,26 @@ class RayEngine(Engine):
             self._dead_or_raise(err)
             return None
 
-    def _submit(self, ctx: RoundContext, bc_ref: Any, assignment: list[list[int]],
+    def _submit(self, ctx: RoundContext, broadcast: Broadcast, bc_ref: Any, assignment: list[list[int]],
                 expect: list[dict[int, int] | None], lending: Lending | None, todo: list[int],
                 partials: list) -> dict[int, Any]:
-        """Start ``todo`` workers' shares; returns the references to their results. With the reduction
+        """Start ``todo`` workers' shares (``bc_ref``: the broadcast in the object store, or None when
+        it travels inside each call); returns the references to their results. With the reduction
         tree the partial aggregates travel apart (``partials`` receives their references); without,
         inside the results, which the driver sums (Simulation.run_round)."""
         refs: dict[int, Any] = {}
         # Every export is queued before any round task, so no actor's round waits on another's.
         lent = {w: lending.exports(self.pool, w) for w in todo} if lending is not None else {}
+        shared = () if bc_ref is None else (bc_ref,)
         for w in todo:
+            call = Packed(RoundCall(ctx, assignment[w], broadcast if bc_ref is None else None, expect[w],
+                                    self.num_workers if lending is not None else 0, self.tree))
             if lending is not None:
-                refs[w], partials[w] = lending.submit(self.pool, w, ctx, bc_ref, assignment[w], lent[w], expect[w],
-                                                      split=self.tree)
+                refs[w], partials[w] = lending.submit(self.pool, w, call, *shared, *lent[w], split=self.tree)
             elif self.tree:
-                refs[w], partials[w] = self.pool[w].run_round_parts.options(num_returns=2).remote(
-                    ctx, bc_ref, assignment[w], expect[w], 0, True)  # expect, homes, split
+                refs[w], partials[w] = self.pool[w].run_round_parts.options(num_returns=2).remote(call, *shared)
             else:
-                refs[w] = self.pool[w].run_round_parts.remote(ctx, bc_ref, assignment[w], expect[w])
+                refs[w] = self.pool[w].run_round_parts.remote(call, *shared)
         return refs
 
     def _collect(self, refs: dict[int, Any], results: list) -> set[int]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from fl_platform.core import RoundContext
 from fl_platform.state.distributed import lending_plan
 
 
@@ -28,13 +27,12 @@ class Lending:
         return [actors[h].export_states_packed.remote(self.needs[h][trainer])
                 for h in range(self.num_workers) if self.needs[h][trainer]]
 
-    def submit(self, actors: Any, trainer: int, ctx: RoundContext, broadcast: Any, clients: list[int],
-               lent: list[Any], expect: dict[int, int] | None = None, split: bool = False) -> Any:
-        """Start ``trainer``'s round with its borrowed states (``expect``: the manifest's rounds of its
-        clients); returns the references to its result and, with ``split``, to its partial aggregate."""
+    def submit(self, actors: Any, trainer: int, call: Any, *refs: Any, split: bool = False) -> Any:
+        """Start ``trainer``'s round (``call``: its packed ``RoundCall``, ``homes`` set; ``refs``: the
+        broadcast's when it travels apart, then the borrowed states); returns the references to its
+        result and, with ``split``, to its partial aggregate."""
         extra = 1 if split else 0
-        out = actors[trainer].run_round_parts.options(num_returns=1 + extra + self.num_workers).remote(
-            ctx, broadcast, clients, expect, self.num_workers, split, *lent)
+        out = actors[trainer].run_round_parts.options(num_returns=1 + extra + self.num_workers).remote(call, *refs)
         self.parts[trainer] = list(out[1 + extra:])
         return out[0], (out[1] if split else None)
 
