@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -36,3 +37,36 @@ def test_interval_from_the_log_ratios(ab):
     lo, hi = math.exp(mean - 3.182446 * sd / 2), math.exp(mean + 3.182446 * sd / 2)  # t(0.975, 3)
     assert f"[{lo:.3f}, {hi:.3f}]" in ab.summary(pairs)
     assert "too few" in ab.summary([(1.0, 1.1)])
+
+
+def test_sets_of_the_same_code_are_pooled(ab):
+    # b1 and b2 are one code (a docs-only commit between them), c is another.
+    code = {"a": "A", "b1": "B", "b2": "B", "c": "C"}.get
+    one = {"config": "100/10", "overrides": ["engine=ray"], "base_commit": "a"}
+    sets = [{**one, "this_commit": "b1", "pairs": [[1.0, 1.1], [1.0, 1.2]]},
+            {**one, "this_commit": "b2", "pairs": [[1.0, 1.3]]},
+            {**one, "this_commit": "c", "pairs": [[1.0, 0.9]]},
+            {**one, "config": "1000/100", "this_commit": "b2", "pairs": [[1.0, 1.0]]}]
+    (label, pairs), = ab.pools(sets, code)
+    assert label == "100/10 engine=ray, a -> b1 = b2"
+    assert pairs == [(1.0, 1.1), (1.0, 1.2), (1.0, 1.3)]
+
+
+def test_code_identity_is_the_code_folders_trees(ab, tmp_path):
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.org")
+    git("config", "user.name", "t")
+    commits = []
+    for path, text in (("fl_platform/x.py", "a = 1\n"), ("docs/n.md", "note\n"), ("fl_platform/x.py", "a = 2\n")):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+        git("add", "-A")
+        git("commit", "-q", "-m", path)
+        commits.append(git("rev-parse", "--short", "HEAD"))
+    first, docs, changed = (ab.code_of(c, tmp_path) for c in commits)
+    assert first == docs != changed
+    assert ab.code_of("0000000", tmp_path) == "0000000"  # not in the repository: the commit itself

@@ -26,7 +26,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make `common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,8 +57,9 @@ open(out, "w").write(json.dumps({"median_round_s": statistics.median(times)}))
 """
 
 #: ``--calls``: one call pair of a round (two actors that do no work, each answering with a fixed
-#: 5-client result of a 9,610-parameter aggregate), through the checkout's own transport: the
-#: engine's ``Packed`` messages, or at commits before them (4d37b44) the process-wide serialiser.
+#: 5-client result of a 9,610-parameter aggregate), through the checkout's own transport and call
+#: shape: one packed ``RoundCall``; at earlier commits four arguments with the broadcast ``Packed``,
+#: or (4d37b44) three with the process-wide serialiser.
 CALLS = """
 import importlib.util, json, statistics, sys, time
 import ray, torch
@@ -65,6 +68,10 @@ PACKED = importlib.util.find_spec("fl_platform.engine.transport") is not None
 if PACKED:
     from fl_platform.engine.transport import Packed
     from fl_platform.rounds.engine import WorkerResult
+    try:  # one argument per call (since the commit after 56a524c)
+        from fl_platform.engine.ray_actors import RoundCall
+    except ImportError:
+        RoundCall = None
 else:
     from fl_platform.engine.ray_engine import use_fast_tensor_transport
     from fl_platform.engine.worker import WorkerResult
@@ -88,7 +95,7 @@ class Worker:
             use_fast_tensor_transport()
         self.result = result()
 
-    def call(self, ctx, broadcast, client_ids, *rest):
+    def call(self, *args):
         return Packed(self.result) if PACKED else self.result
 
 if not PACKED:
@@ -101,7 +108,9 @@ runs = []
 for _ in range(5):
     t = time.perf_counter()
     for _ in range(calls):
-        if PACKED:
+        if PACKED and RoundCall is not None:
+            refs = [w.call.remote(Packed(RoundCall(ctx, [1, 2, 3, 4, 5], bc))) for w in workers]
+        elif PACKED:
             packed = Packed(bc)
             refs = [w.call.remote(ctx, packed, [1, 2, 3, 4, 5], None) for w in workers]
         else:
@@ -116,6 +125,36 @@ open(out, "w").write(json.dumps({"median_round_s": statistics.median(runs)}))
 def git_commit(path: Path) -> str:
     out = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return out.stdout.strip() or "unknown"
+
+
+#: The folders whose code runs in a benchmark: commits equal in these are the same code.
+CODE = ("fl_platform", "algorithms", "datasets", "conf")
+
+
+def code_of(commit: str, repo: Path = REPO) -> str:
+    """The identity of ``commit``'s code: its trees of the ``CODE`` folders it has; the commit itself
+    where git cannot tell (not in this repository)."""
+    out = subprocess.run(["git", "-C", str(repo), "ls-tree", commit, "--", *CODE], capture_output=True, text=True)
+    return " ".join(out.stdout.split()) if out.returncode == 0 and out.stdout.strip() else commit
+
+
+def pools(sets: list[dict[str, Any]],
+          code: Callable[[str], str] = code_of) -> list[tuple[str, list[tuple[float, float]]]]:
+    """(label, pairs) of each comparison recorded in more than one set: the sets with the same code on
+    each side (``code``: a commit's code identity), configuration and overrides, pooled."""
+    pooled: dict[tuple[str, ...], list[tuple[float, float]]] = {}
+    commits: dict[tuple[str, ...], list[str]] = {}
+    counts: dict[tuple[str, ...], int] = {}
+    for s in sets:
+        key = (code(s["base_commit"]), code(s["this_commit"]), s["config"], " ".join(s["overrides"]))
+        pooled.setdefault(key, []).extend(tuple(x) for x in s["pairs"])
+        counts[key] = counts.get(key, 0) + 1
+        names = commits.setdefault(key, [[], []])
+        for side, commit in zip(names, (s["base_commit"], s["this_commit"])):
+            if commit not in side:
+                side.append(commit)
+    return [(f"{key[2]} {key[3]}, {' = '.join(commits[key][0])} -> {' = '.join(commits[key][1])}", pairs)
+            for key, pairs in pooled.items() if counts[key] > 1]
 
 
 def run_once(checkout: Path, config: str, rounds: int, extra: list[str], timeout: float, calls: bool) -> float:
@@ -159,13 +198,8 @@ def main() -> None:
         for s in sets:
             print(f"{s['date']} {s['config']} {' '.join(s['overrides'])}, {s['base_commit']} -> {s['this_commit']}: "
                   f"{summary([tuple(x) for x in s['pairs']])}")
-        pooled: dict[tuple[str, ...], list[tuple[float, float]]] = {}
-        for s in sets:  # the sets of one comparison (same commits, configuration and overrides) pooled
-            key = (s["base_commit"], s["this_commit"], s["config"], " ".join(s["overrides"]))
-            pooled.setdefault(key, []).extend(tuple(x) for x in s["pairs"])
-        for (base, this, config, overrides), pairs in pooled.items():
-            if sum(1 for s in sets if (s["base_commit"], s["this_commit"]) == (base, this)) > 1:
-                print(f"pooled {config} {overrides}, {base} -> {this}: {summary(pairs)}")
+        for label, pairs in pools(sets):
+            print(f"pooled {label}: {summary(pairs)}")
         return
     if a.base is None or not (a.base / "fl_platform").is_dir():
         p.error("--base must be another checkout of the platform (a folder holding fl_platform/)")
