@@ -45,9 +45,8 @@ def node_id() -> str:
 @dataclass
 class RoundCall:
     """One worker's share of a round, sent (packed) as its call's one argument besides object
-    references: each separate argument of a Ray call costs about 40 us to submit (measured: a round's
-    two calls with the context, broadcast, clients and manifest rounds as four arguments 2.15-2.46 ms,
-    as one 1.83-2.13 ms)."""
+    references: each separate argument of a Ray call costs the driver tens of microseconds to submit,
+    a few percent of a small round (scripts/bench/call_args.py, docs/benchmarks.md)."""
 
     ctx: RoundContext
     client_ids: list[int]
