@@ -68,7 +68,7 @@ PACKED = importlib.util.find_spec("fl_platform.engine.transport") is not None
 if PACKED:
     from fl_platform.engine.transport import Packed
     from fl_platform.rounds.engine import WorkerResult
-    try:  # one argument per call (since the commit after 56a524c)
+    try:  # one argument per call (since 4c7d283)
         from fl_platform.engine.ray_actors import RoundCall
     except ImportError:
         RoundCall = None
