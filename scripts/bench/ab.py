@@ -19,6 +19,7 @@ The base needs the same benchmark helpers (``scripts/bench/common.py``'s ``compo
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -131,9 +132,11 @@ def git_commit(path: Path) -> str:
 CODE = ("fl_platform", "algorithms", "datasets", "conf")
 
 
+@functools.cache
 def code_of(commit: str, repo: Path = REPO) -> str:
     """The identity of ``commit``'s code: its trees of the ``CODE`` folders it has; the commit itself
-    where git cannot tell (not in this repository)."""
+    where git cannot tell (not in this repository). Cached: ``pools`` asks for each set's two commits,
+    a handful of commits across dozens of sets."""
     out = subprocess.run(["git", "-C", str(repo), "ls-tree", commit, "--", *CODE], capture_output=True, text=True)
     return " ".join(out.stdout.split()) if out.returncode == 0 and out.stdout.strip() else commit
 
