@@ -83,6 +83,27 @@ class FederatedDataset:
         idx = self.client_indices(c)
         return self.train_x.index_select(0, idx), self.train_y.index_select(0, idx)
 
+    def hold_copy(self, copy: FederatedDataset) -> None:
+        """Read ``copy``'s tensors and partition from now on in place of this dataset's own (kept by
+        everyone holding this object), so that its own are freed once nothing else refers to them.
+
+        The Ray engine gives the driver the object-store copy it has just written (zero-copy views):
+        the driver's node then holds the data once for the whole run, not its own copy besides.
+        ``copy`` must hold the same data: the partition and the tensors' shapes and dtypes are
+        checked, the tensors' values are not (a byte copy of this dataset by construction).
+        """
+        for name in ("train_x", "train_y", "test_x", "test_y"):
+            mine, theirs = getattr(self, name), getattr(copy, name)
+            if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
+                raise ValueError(f"hold_copy: {name} is {tuple(theirs.shape)} {theirs.dtype} in the copy, "
+                                 f"{tuple(mine.shape)} {mine.dtype} here")
+        if not (np.array_equal(self.partition.offsets, copy.partition.offsets)
+                and np.array_equal(self.partition.indices, copy.partition.indices)):
+            raise ValueError("hold_copy: the copy's partition is not this dataset's")
+        for name in ("train_x", "train_y", "test_x", "test_y", "partition"):
+            setattr(self, name, getattr(copy, name))
+        self._indices = None
+
     def to(self, device: str | torch.device) -> FederatedDataset:
         """A copy whose tensors (and the cached index tensor) live on ``device``; moved once, here."""
         device = torch.device(device)

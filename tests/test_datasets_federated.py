@@ -47,6 +47,24 @@ def test_to_moves_tensors_once(digits_fd):
     )
 
 
+def test_hold_copy_reads_the_copy_and_refuses_other_data():
+    fd = build_federated_dataset("digits", 5, "iid", seed=0)
+    copy = fd.to("cpu")
+    copy.train_x, copy.partition = fd.train_x.clone(), Partition(fd.partition.indices.copy(), fd.partition.offsets)
+    fd.client_indices(0)  # cached from the old partition: dropped by hold_copy
+    fd.hold_copy(copy)
+    assert fd.train_x is copy.train_x and fd.partition is copy.partition
+    assert fd.client_indices(1).numpy().tolist() == copy.partition.client(1).tolist()
+    other = build_federated_dataset("digits", 5, "iid", seed=1)  # same shapes, another partition
+    with pytest.raises(ValueError, match="partition"):
+        fd.hold_copy(other)
+    wrong = fd.to("cpu")
+    wrong.test_x = fd.test_x[:-1]
+    with pytest.raises(ValueError, match="test_x"):
+        fd.hold_copy(wrong)
+    assert fd.train_x is copy.train_x and fd.test_x is copy.test_x  # a refused copy changes nothing
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_to_cuda(digits_fd):
     moved = digits_fd.to("cuda")

@@ -3,8 +3,14 @@ algorithm's states live on disk behind a bounded cache."""
 
 from __future__ import annotations
 
-import numpy as np
+import gc
+import weakref
 
+import numpy as np
+import pytest
+import torch
+
+import fl_platform.experiment as experiment
 from fl_platform.experiment import build
 from fl_platform.rounds.sampling import sample_clients
 
@@ -35,3 +41,41 @@ def test_scaffold_on_10000_clients_keeps_state_on_disk_with_bounded_ram(tmp_path
         assert summary["rounds"] == rounds and 0.0 <= summary["final_test_accuracy"] <= 1.0
     finally:
         exp.engine.close()
+
+
+@pytest.mark.ray
+def test_the_ray_driver_reads_the_object_store_copy_and_frees_its_own(ray_session, monkeypatch):
+    """engine=ray: once the set-up is in the driver's object store, the driver reads the dataset from
+    that copy (as its node's workers do) and its own tensors are freed: the node holds the data once
+    for the run. Same values, and the run trained and evaluated from them equals the inline run."""
+    own: dict[str, list] = {}
+    load = experiment.load_data
+
+    def recording(cfg):
+        data = load(cfg)
+        tensors = (data.train_x, data.train_y, data.test_x, data.test_y)
+        own["refs"] = [weakref.ref(t) for t in tensors]
+        own["values"] = [t.clone() for t in tensors]
+        own["partition"] = [data.partition.indices.copy(), data.partition.offsets.copy()]
+        return data
+
+    small = ("engine.threads_per_worker=1", "rounds=2", "train.epochs=1", "clients_per_round=6")
+    inline = build(compose_config("engine=inline", *small))
+    inline.simulation.run()
+    inline.engine.close()
+    monkeypatch.setattr(experiment, "load_data", recording)
+    exp = build(compose_config("engine=ray", "engine.num_workers=2", *small))
+    try:
+        gc.collect()
+        assert [r() is None for r in own["refs"]] == [True] * 4  # the driver's own tensors are gone
+        data = exp.data
+        for got, want in zip((data.train_x, data.train_y, data.test_x, data.test_y), own["values"]):
+            assert torch.equal(got, want)
+        assert np.array_equal(data.partition.indices, own["partition"][0])
+        assert np.array_equal(data.partition.offsets, own["partition"][1])
+        assert not data.partition.indices.flags.writeable  # the received arrays (Ray's read-only views)
+        exp.simulation.run()
+    finally:
+        exp.engine.close()
+    assert float((exp.simulation.server.weights - inline.simulation.server.weights).abs().max()) <= 1e-6
+    assert exp.simulation.history[-1]["test_accuracy"] == pytest.approx(inline.simulation.history[-1]["test_accuracy"])

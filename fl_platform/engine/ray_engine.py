@@ -3,9 +3,10 @@
 Created once per run (``ray_cluster.py`` connects and ships the code, ``ray_placement.py``
 decides W and each actor's CPUs/GPUs, ``ray_actors.py`` starts them spread over the nodes): the
 experiment setup, dataset tensors included, goes through the object store once and each actor
-keeps it on its device. Per round the broadcast is sent once (inside the call when small, else
-put into the object store once and read by every actor), every actor trains its clients from the
-scheduler's plan and returns one partial aggregate. No remote call is made per client. Messages
+keeps it on its device; the driver then reads the dataset from that copy too, freeing its own.
+Per round the broadcast is sent once (inside the call when small, else put into the object store
+once and read by every actor), every actor trains its clients from the scheduler's plan and
+returns one partial aggregate. No remote call is made per client. Messages
 travel as ``transport.Packed`` values.
 
 Client state belongs to a node. By default every worker is the home of clients ``c mod W`` and
@@ -138,7 +139,11 @@ class RayEngine(Engine):
         self.slow_factor = float(conf_value(fault, "slow_factor", 1.0))  # slow_factor x as long
         check_slow_worker(self.slow_worker, num_workers)
         t0 = time.perf_counter()
-        self.pool = ActorPool(self.placement, ray.put(Packed(self.setup)), self._options, self.start_timeout_s)
+        setup_ref = ray.put(Packed(self.setup))
+        # From here the driver reads the dataset from the object-store copy it has just written, as
+        # its node's workers do, and its own copy is freed: the node holds the data once for the run.
+        setup.dataset.hold_copy(ray.get(setup_ref).dataset)
+        self.pool = ActorPool(self.placement, setup_ref, self._options, self.start_timeout_s)
         self.pool.ping_all()
         self.stateful = bool(ray.get(self.pool[0].is_stateful.remote()))
         self.state_nbytes = int(ray.get(self.pool[0].state_nbytes.remote())) if self.stateful else 0
