@@ -169,6 +169,7 @@ def child_main(argv: list[str] | None = None) -> None:
                   "partition": part.indices.nbytes + part.offsets.nbytes}
         try:
             exp.simulation.run()
+            MARKS.append(("the rounds", time.time()))
         finally:
             exp.engine.close()
     finally:
@@ -202,6 +203,10 @@ def measure(system: str, clients: int, per_round: int, rounds: int, interval: fl
     row["data_mb"] = sum(res.data["data_bytes"].values()) / MB
     row["timeline"] = [(round(t - timeline[0][0], 1), v) for t, v in timeline] if timeline else []
     row["marks"] = [(name, round(t - timeline[0][0], 1)) for name, t in res.data["marks"]] if timeline else []
+    # What the run holds while it trains: the largest sample per part from the engine's start to the rounds' end.
+    ends = {name: t for name, t in res.data["marks"]}
+    during = [v for t, v in timeline if ends.get("start the engine", t + 1) <= t <= ends.get("the rounds", t - 1)]
+    row["rounds_pss_mb"] = {k: max(v.get(k, 0) for v in during) for k in {k for v in during for k in v}}
     times = res.data["round_s"]
     row["median_round_s"] = statistics.median(times[1:] if len(times) > 1 else times)
     return row
@@ -218,9 +223,10 @@ def render(rows: list[dict[str, Any]], rounds: int, baseline_mb: float | None) -
              "by several, such as the object store mapped by a worker, counted in each) and PSS (shared pages divided "
              "among their processes: the physical memory). Start-up: process creation to the start of round 1. Ray: "
              "2 nodes of a local cluster (`ray.cluster_utils.Cluster`, 1 CPU each, one worker per node, nodes run "
-             f"with `RAY_object_manager_max_bytes_in_flight={IN_FLIGHT}`); the driver holds the data, and each node's "
-             "object store once, read by its worker without a copy (docs/engine.md, Scale); the cluster's own "
-             "start is timed apart.", ""]
+             f"with `RAY_object_manager_max_bytes_in_flight={IN_FLIGHT}`); the driver generates the data and puts it "
+             "into the head's object store, then reads that copy instead of its own; each node's object store holds "
+             "it once, read by its worker without a copy (docs/engine.md, Scale); the cluster's own start is timed "
+             "apart.", ""]
     clients = rows[0]["clients"] if rows else 1_000_000
     per_round = rows[0]["per_round"] if rows else 1000
     command = " ".join(o for o in overrides("inline", clients, per_round, rounds) if not o.startswith("engine."))
@@ -260,6 +266,18 @@ def render(rows: list[dict[str, Any]], rounds: int, baseline_mb: float | None) -
                          + ". The driver's peak counts its own copy and the object-store pages it wrote by `ray.put` "
                          "until the head's worker maps them too; node0: the head's raylet (with its object store), GCS, "
                          "monitors and worker; node1: raylet (object store) and worker.")
+        during = r.get("rounds_pss_mb") or {}
+        if nodes and during:
+            d = r["data_mb"]
+            held = ", ".join(f"{k} {during[k]:.0f} MB ({during[k] / d:.2f}x)" for k in ("driver", *nodes) if k in during)
+            head = during.get("driver", 0) + during.get("node0", 0)
+            lines.append(f"- {r['system']}, PSS held while training (the largest sample per part from the engine's start "
+                         f"to the last round's end): {held}; the head machine (driver and node0) {head:.0f} MB "
+                         f"({head / d:.2f}x), the whole cluster {during.get('total', 0):.0f} MB "
+                         f"({during.get('total', 0) / d:.2f}x). The driver reads the head's object-store copy once it "
+                         "has put it and its own copy is freed, so each node holds the data once while the run trains "
+                         "(the store's pages count in the driver's PSS as it wrote them all; its node's worker maps "
+                         "only the rows it reads).")
     return "\n".join(lines)
 
 
