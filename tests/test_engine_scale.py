@@ -1,5 +1,6 @@
 """Scale: 10,000 registered clients cost two partition arrays, not 10,000 objects; a stateful
-algorithm's states live on disk behind a bounded cache."""
+algorithm's states live on disk behind a bounded cache; under Ray the driver's node holds the data
+once (the driver reads the object store's copy)."""
 
 from __future__ import annotations
 
