@@ -145,19 +145,16 @@ def pools(sets: list[dict[str, Any]],
           code: Callable[[str], str] = code_of) -> list[tuple[str, list[tuple[float, float]]]]:
     """(label, pairs) of each comparison recorded in more than one set: the sets with the same code on
     each side (``code``: a commit's code identity), configuration and overrides, pooled."""
-    pooled: dict[tuple[str, ...], list[tuple[float, float]]] = {}
-    commits: dict[tuple[str, ...], list[str]] = {}
-    counts: dict[tuple[str, ...], int] = {}
+    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for s in sets:
         key = (code(s["base_commit"]), code(s["this_commit"]), s["config"], " ".join(s["overrides"]))
-        pooled.setdefault(key, []).extend(tuple(x) for x in s["pairs"])
-        counts[key] = counts.get(key, 0) + 1
-        names = commits.setdefault(key, [[], []])
-        for side, commit in zip(names, (s["base_commit"], s["this_commit"])):
-            if commit not in side:
-                side.append(commit)
-    return [(f"{key[2]} {key[3]}, {' = '.join(commits[key][0])} -> {' = '.join(commits[key][1])}", pairs)
-            for key, pairs in pooled.items() if counts[key] > 1]
+        groups.setdefault(key, []).append(s)
+    out = []
+    for (_, _, config, overrides), group in groups.items():
+        if len(group) > 1:
+            base, this = (" = ".join(dict.fromkeys(s[side] for s in group)) for side in ("base_commit", "this_commit"))
+            out.append((f"{config} {overrides}, {base} -> {this}", [tuple(x) for s in group for x in s["pairs"]]))
+    return out
 
 
 def run_once(checkout: Path, config: str, rounds: int, extra: list[str], timeout: float, calls: bool) -> float:
