@@ -204,8 +204,9 @@ def measure(system: str, clients: int, per_round: int, rounds: int, interval: fl
     row["timeline"] = [(round(t - timeline[0][0], 1), v) for t, v in timeline] if timeline else []
     row["marks"] = [(name, round(t - timeline[0][0], 1)) for name, t in res.data["marks"]] if timeline else []
     # What the run holds while it trains: the largest sample per part from the engine's start to the rounds' end.
-    ends = {name: t for name, t in res.data["marks"]}
-    during = [v for t, v in timeline if ends.get("start the engine", t + 1) <= t <= ends.get("the rounds", t - 1)]
+    ends = dict(res.data["marks"])
+    start, end = ends.get("start the engine"), ends.get("the rounds")
+    during = [v for t, v in timeline if start is not None and end is not None and start <= t <= end]
     row["rounds_pss_mb"] = {k: max(v.get(k, 0) for v in during) for k in {k for v in during for k in v}}
     times = res.data["round_s"]
     row["median_round_s"] = statistics.median(times[1:] if len(times) > 1 else times)
