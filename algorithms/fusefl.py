@@ -58,7 +58,7 @@ from fl_platform.algorithms.base import (
     Setup,
     StateSpec,
 )
-from fl_platform.algorithms.oneshot.protocol import HoldoutFilter, count_model
+from fl_platform.algorithms.oneshot.protocol import HoldoutFilter, count_model, require_one_block
 from fl_platform.core import Broadcast, ClientUpdate, RoundContext
 from fl_platform.models import FUSEFL_RESNET18_CUTS, ResNet18, StagedModel
 from fl_platform.seeding import Stream, seed_torch_global, torch_generator
@@ -558,6 +558,10 @@ class FuseFLServer(ServerAlgorithm):
     @property
     def rounds_needed(self) -> int:
         return self.plan.K + (1 if self.cfg.calibrate else 0)
+
+    def attach_data(self, data: Any) -> None:
+        if self.cfg.server_fraction > 0:  # the clients hold out the server's split (HoldoutFilter)
+            require_one_block(data, self.cfg.name)
 
     def broadcast(self, ctx: RoundContext) -> Broadcast:
         need = self.rounds_needed

@@ -1,14 +1,22 @@
 """The federated dataset: training tensors held once, clients as index ranges, a server test set.
 
-Local training draws minibatches by indexing ``train_x``/``train_y`` with a client's indices, which
+Local training draws minibatches by indexing a client's training tensor with its indices, which
 are slices of one cached index tensor on the same device: no DataLoader, no per-client Dataset or
 tensor, no per-client host-to-device copy (DESIGN.md section 2).
+
+The training features are held in row blocks: one for every source but Synthetic at scale, which
+generates blocks of whole devices (``RowBlocks``) so that the Ray engine can ship them one object
+per block, never holding them twice. A client's rows lie in one block, and a client's view is that
+block, its labels and the client's indices into it.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import os
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -18,37 +26,78 @@ import torch
 from fl_platform.datasets import registry
 from fl_platform.datasets.augment import Augmentation, AugmentConf
 from fl_platform.datasets.partition import PARTITIONERS, Partition, make_partition
-from fl_platform.datasets.source import SourceData
+from fl_platform.datasets.source import RowBlocks, SourceData
+
+log = logging.getLogger(__name__)
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():  # a read-only array (a Ray object's): nothing writes to the data
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _client_blocks(partition: Partition, starts: np.ndarray) -> np.ndarray | None:
+    """The block of each client's rows, or None when some client's rows span several blocks."""
+    sizes = partition.sizes()
+    if len(starts) == 2:
+        return np.zeros(len(sizes), dtype=np.int64)
+    block = np.searchsorted(starts, partition.indices, side="right") - 1
+    out = np.zeros(len(sizes), dtype=np.int64)
+    held = sizes > 0
+    if held.any():
+        first = partition.offsets[:-1][held]
+        lo, hi = np.minimum.reduceat(block, first), np.maximum.reduceat(block, first)
+        if not np.array_equal(lo, hi):
+            return None
+        out[held] = lo
+    return out
 
 
 @dataclass(eq=False)
 class FederatedDataset:
-    """Training tensors, their client partition, and the server-side test set."""
+    """Training row blocks and labels, their client partition, and the server-side test set."""
 
-    train_x: torch.Tensor
+    train_blocks: list[torch.Tensor]  # the training features, rows in blocks (most sources: one)
     train_y: torch.Tensor
-    test_x: torch.Tensor
-    test_y: torch.Tensor
+    test_x: torch.Tensor | None  # None in a Ray worker's copy: only the server evaluates on it
+    test_y: torch.Tensor | None
     partition: Partition
     num_classes: int
     input_shape: tuple[int, ...]
     name: str
     vocab: list[str] | None = None
     augment: Augmentation | None = None  # of training minibatches (dataset.augment); None: off
+    block_starts: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))  # first rows, + total
+    client_block: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # each client's block
     _indices: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _labels: list[torch.Tensor] | None = field(default=None, init=False, repr=False)  # train_y per block
 
     @classmethod
     def from_source(cls, source: SourceData, partition: Partition,
                     augment: AugmentConf | Mapping[str, Any] | None = None) -> FederatedDataset:
-        """Wrap a source's arrays (zero-copy) with a partition of its training samples."""
+        """Wrap a source's arrays (zero-copy) with a partition of its training samples.
+
+        Row blocks (``RowBlocks``) stay blocks when every client's rows lie in one block; otherwise
+        (a partition that mixes them, e.g. ``iid`` over a million Synthetic devices) they are joined
+        into one, once, here.
+        """
         partition.validate(source.num_train)
         if isinstance(augment, Mapping):
             augment = AugmentConf(**augment)
+        blocks = source.train_x.blocks if isinstance(source.train_x, RowBlocks) else [source.train_x]
+        starts = np.concatenate([[0], np.cumsum([len(b) for b in blocks])]).astype(np.int64)
+        client_block = _client_blocks(partition, starts)
+        if client_block is None:
+            log.info("%s: partition spans the %d row blocks of its training features; they are joined into one "
+                     "(%.0f MB copied once)", source.name, len(blocks), sum(b.nbytes for b in blocks) / 1e6)
+            blocks, starts = [np.concatenate(blocks)], starts[[0, -1]]
+            client_block = np.zeros(partition.num_clients, dtype=np.int64)
         return cls(
-            train_x=torch.from_numpy(np.ascontiguousarray(source.train_x)),
-            train_y=torch.from_numpy(np.ascontiguousarray(source.train_y)),
-            test_x=torch.from_numpy(np.ascontiguousarray(source.test_x)),
-            test_y=torch.from_numpy(np.ascontiguousarray(source.test_y)),
+            train_blocks=[_tensor(b) for b in blocks],
+            train_y=_tensor(source.train_y),
+            test_x=_tensor(source.test_x),
+            test_y=_tensor(source.test_y),
             partition=partition,
             num_classes=source.num_classes,
             input_shape=tuple(source.input_shape),
@@ -56,65 +105,133 @@ class FederatedDataset:
             vocab=source.vocab,
             augment=Augmentation.build(augment, source.input_shape, source.train_x.dtype, source.name,
                                        source.pad_value),
+            block_starts=starts,
+            client_block=client_block,
         )
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its caches (index tensor, label views): rebuilt where they are read."""
+        return {**vars(self), "_indices": None, "_labels": None}
 
     @property
     def num_clients(self) -> int:
         return self.partition.num_clients
 
     @property
+    def num_train(self) -> int:
+        return int(self.block_starts[-1])
+
+    @property
     def device(self) -> torch.device:
-        return self.train_x.device
+        return self.train_y.device
+
+    @property
+    def train_dtype(self) -> torch.dtype:
+        return self.train_blocks[0].dtype
+
+    @property
+    def train_x(self) -> torch.Tensor:
+        """The training features as one tensor: only when they are held in one block."""
+        if len(self.train_blocks) != 1:
+            raise ValueError(f"{self.name}: the training features are held in {len(self.train_blocks)} row blocks, "
+                             "not one tensor; read a client's rows with client_view(c)")
+        return self.train_blocks[0]
 
     def client_sizes(self) -> np.ndarray:
         return self.partition.sizes()
 
     def client_indices(self, c: int) -> torch.Tensor:
-        """Client ``c``'s rows of ``train_x`` as an int64 tensor on ``train_x``'s device (a view)."""
+        """Client ``c``'s rows of its block (``client_view``) as an int64 tensor on the data's device (a
+        view); with one block, rows of ``train_x``."""
         if not 0 <= c < self.num_clients:
             raise IndexError(f"client {c} out of range for {self.num_clients} clients")
-        if self._indices is None or self._indices.device != self.train_x.device:
-            self._indices = torch.from_numpy(self.partition.indices).to(self.train_x.device)
+        if self._indices is None or self._indices.device != self.train_y.device:
+            local = self.partition.indices
+            if len(self.block_starts) > 2:  # rows counted from the start of each client's block
+                local = local - np.repeat(self.block_starts[self.client_block], self.partition.sizes())
+            self._indices = torch.from_numpy(local).to(self.train_y.device)
         lo, hi = self.partition.offsets[c], self.partition.offsets[c + 1]
         return self._indices[int(lo) : int(hi)]
 
+    def client_view(self, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Client ``c``'s block of features, the block's labels and the client's rows in it (views)."""
+        indices = self.client_indices(c)
+        if self._labels is None:  # one view per block, so that clients of a block share their tensors
+            starts = self.block_starts.tolist()
+            self._labels = [self.train_y] if len(starts) == 2 else \
+                [self.train_y[lo:hi] for lo, hi in itertools.pairwise(starts)]
+        b = int(self.client_block[c])
+        return self.train_blocks[b], self._labels[b], indices
+
     def client_data(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Client ``c``'s (features, labels), gathered on the device (a copy: prefer index batches)."""
-        idx = self.client_indices(c)
-        return self.train_x.index_select(0, idx), self.train_y.index_select(0, idx)
+        x, y, idx = self.client_view(c)
+        return x.index_select(0, idx), y.index_select(0, idx)
+
+    def without_training_features(self) -> FederatedDataset:
+        """This dataset without its training features and test set, to ship apart from them.
+
+        The Ray engine ships the features one object per block (``attach_training_features`` puts them
+        back on a worker) and keeps the test set on the driver, the only process that evaluates on it.
+        """
+        return replace(self, train_blocks=[], test_x=None, test_y=None)
+
+    def attach_training_features(self, blocks: Sequence[torch.Tensor]) -> None:
+        """Hold ``blocks`` as the training features (what ``without_training_features`` left out);
+        their number, rows, row shape and dtype are checked."""
+        rows = np.diff(self.block_starts)
+        if len(blocks) != len(rows):
+            raise ValueError(f"{self.name}: {len(blocks)} blocks of training features for {len(rows)} expected")
+        for i, (b, n) in enumerate(zip(blocks, rows, strict=True)):
+            if b.shape != (int(n), *self.input_shape) or b.dtype != blocks[0].dtype:
+                raise ValueError(f"{self.name}: training block {i} is {tuple(b.shape)} {b.dtype}, expected "
+                                 f"{(int(n), *self.input_shape)} {blocks[0].dtype}")
+        self.train_blocks = list(blocks)
+
+    def hold_block(self, i: int, copy: torch.Tensor) -> None:
+        """Read training block ``i`` from ``copy`` from now on (the same rows: shape and dtype are
+        checked, values are a byte copy by construction), so that the block's own tensor is freed once
+        nothing else refers to it.
+
+        The Ray engine gives the driver the object-store copy of each block right after writing it
+        (a zero-copy view): the driver's node then holds the data once, and never twice while the
+        blocks are shipped one after another.
+        """
+        mine = self.train_blocks[i]
+        if mine.shape != copy.shape or mine.dtype != copy.dtype:
+            raise ValueError(f"hold_block: block {i} is {tuple(copy.shape)} {copy.dtype} in the copy, "
+                             f"{tuple(mine.shape)} {mine.dtype} here")
+        self.train_blocks[i] = copy
 
     def hold_copy(self, copy: FederatedDataset) -> None:
-        """Read ``copy``'s tensors and partition from now on in place of this dataset's own (kept by
+        """Read ``copy``'s labels and partition from now on in place of this dataset's own (kept by
         everyone holding this object), so that its own are freed once nothing else refers to them.
 
-        The Ray engine gives the driver the object-store copy it has just written (zero-copy views):
-        the driver's node then holds the data once for the whole run, not its own copy besides.
-        ``copy`` must hold the same data: the partition and the tensors' shapes and dtypes are
-        checked, the tensors' values are not (a byte copy of this dataset by construction).
+        The Ray engine gives the driver the object-store copy of what it shipped apart from the
+        training features (zero-copy views). ``copy`` must hold the same data: the partition and the
+        labels' shape and dtype are checked, the labels' values are not (a byte copy by construction).
         """
-        for name in ("train_x", "train_y", "test_x", "test_y"):
-            mine, theirs = getattr(self, name), getattr(copy, name)
-            if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
-                raise ValueError(f"hold_copy: {name} is {tuple(theirs.shape)} {theirs.dtype} in the copy, "
-                                 f"{tuple(mine.shape)} {mine.dtype} here")
+        if self.train_y.shape != copy.train_y.shape or self.train_y.dtype != copy.train_y.dtype:
+            raise ValueError(f"hold_copy: train_y is {tuple(copy.train_y.shape)} {copy.train_y.dtype} in the "
+                             f"copy, {tuple(self.train_y.shape)} {self.train_y.dtype} here")
         if not (np.array_equal(self.partition.offsets, copy.partition.offsets)
                 and np.array_equal(self.partition.indices, copy.partition.indices)):
             raise ValueError("hold_copy: the copy's partition is not this dataset's")
-        for name in ("train_x", "train_y", "test_x", "test_y", "partition"):
-            setattr(self, name, getattr(copy, name))
-        self._indices = None
+        self.train_y, self.partition = copy.train_y, copy.partition
+        self._indices = self._labels = None
 
     def to(self, device: str | torch.device) -> FederatedDataset:
         """A copy whose tensors (and the cached index tensor) live on ``device``; moved once, here."""
         device = torch.device(device)
         moved = replace(
             self,
-            train_x=self.train_x.to(device),
+            train_blocks=[b.to(device) for b in self.train_blocks],
             train_y=self.train_y.to(device),
-            test_x=self.test_x.to(device),
-            test_y=self.test_y.to(device),
+            test_x=None if self.test_x is None else self.test_x.to(device),
+            test_y=None if self.test_y is None else self.test_y.to(device),
         )
-        moved._indices = torch.from_numpy(self.partition.indices).to(device)
+        if moved.num_clients:
+            moved.client_indices(0)  # builds the cached index tensor on the device, once
         return moved
 
 

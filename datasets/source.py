@@ -12,17 +12,59 @@ from dataclasses import dataclass
 import numpy as np
 
 
+class RowBlocks:
+    """The rows of one array held as separate arrays (blocks), in order.
+
+    A source that generates more than fits in memory twice (a million Synthetic devices) hands its
+    training features over this way: whoever ships them (the Ray engine puts one object per block)
+    frees each block once it is copied, so the whole array never exists twice. Every block has the
+    same row shape and dtype. ``np.asarray`` gives the one array (a copy) to readers that need it.
+    """
+
+    __slots__ = ("blocks",)
+
+    def __init__(self, blocks: Sequence[np.ndarray]) -> None:
+        if not blocks:
+            raise ValueError("RowBlocks needs at least one block")
+        first = blocks[0]
+        for i, b in enumerate(blocks):
+            if b.shape[1:] != first.shape[1:] or b.dtype != first.dtype:
+                raise ValueError(f"RowBlocks: block {i} has rows {b.shape[1:]} {b.dtype}, block 0 "
+                                 f"{first.shape[1:]} {first.dtype}")
+        self.blocks = list(blocks)
+
+    def __len__(self) -> int:
+        return sum(len(b) for b in self.blocks)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self), *self.blocks[0].shape[1:])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.blocks[0].dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
+
+    def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+        out = np.concatenate(self.blocks) if len(self.blocks) > 1 else self.blocks[0]
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+
 @dataclass
 class SourceData:
     """Train and test arrays of one data source plus what the partitioners and models need to know.
 
     Features are float32 (images N x C x H x W, scaled to [0, 1] then standardised with fixed
-    per-dataset constants) or int64 token ids (text). Labels are int64 class ids.
+    per-dataset constants) or int64 token ids (text). Labels are int64 class ids. ``train_x`` may be
+    :class:`RowBlocks` (Synthetic at scale: see there).
     ``train_groups``/``test_groups`` hold a natural group id per sample (writer, speaker, synthetic
     device), numbered 0..G-1 in sorted order of ``group_names``; None when the source has no groups.
     """
 
-    train_x: np.ndarray
+    train_x: np.ndarray | RowBlocks
     train_y: np.ndarray
     test_x: np.ndarray
     test_y: np.ndarray

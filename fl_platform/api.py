@@ -216,5 +216,5 @@ def _with_clients(source: SourceData, groups: list[np.ndarray]) -> SourceData:
     if any(len(g) == 0 for g in groups):
         raise ValueError(f"partition: client {next(i for i, g in enumerate(groups) if len(g) == 0)} has no samples")
     owner = np.repeat(np.arange(len(groups), dtype=np.int64), [len(g) for g in groups])
-    return replace(source, train_x=source.train_x[order], train_y=source.train_y[order], train_groups=owner,
+    return replace(source, train_x=np.asarray(source.train_x)[order], train_y=source.train_y[order], train_groups=owner,
                    test_groups=None, group_names=[str(i) for i in range(len(groups))])

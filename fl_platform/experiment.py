@@ -260,7 +260,7 @@ def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
     if data.vocab is not None and cfg.model.name == "lstm":
         model = ModelFactory(model.name, model.input_shape, model.num_classes,
                              {**model.options, "vocab_size": len(data.vocab)})
-    check_model_input(model.name, model.input_shape, model.num_classes, data.train_x.dtype,
+    check_model_input(model.name, model.input_shape, model.num_classes, data.train_dtype,
                       dataset=cfg.dataset.name, stages_for=algorithm_name(cfg) if spec.staged_model else None,
                       **model.options)
     plugins.note_in_use(user_code)

@@ -11,6 +11,7 @@ import torch
 from fl_platform.datasets.federated import FederatedDataset, build_federated_dataset, default_partition
 from fl_platform.datasets.partition import Partition, iid
 from fl_platform.datasets.paths import data_root
+from fl_platform.datasets.sources import synthetic
 from fl_platform.datasets.sources.digits import load_digits
 from fl_platform.datasets.sources.synthetic import load_synthetic
 
@@ -47,22 +48,29 @@ def test_to_moves_tensors_once(digits_fd):
     )
 
 
-def test_hold_copy_reads_the_copy_and_refuses_other_data():
+def test_hold_copy_and_hold_block_read_the_copy_and_refuse_other_data():
     fd = build_federated_dataset("digits", 5, "iid", seed=0)
     copy = fd.to("cpu")
-    copy.train_x, copy.partition = fd.train_x.clone(), Partition(fd.partition.indices.copy(), fd.partition.offsets)
+    copy.train_y, copy.partition = fd.train_y.clone(), Partition(fd.partition.indices.copy(), fd.partition.offsets)
     fd.client_indices(0)  # cached from the old partition: dropped by hold_copy
     fd.hold_copy(copy)
-    assert fd.train_x is copy.train_x and fd.partition is copy.partition
+    assert fd.train_y is copy.train_y and fd.partition is copy.partition
     assert fd.client_indices(1).numpy().tolist() == copy.partition.client(1).tolist()
+    assert fd.client_view(1)[1] is copy.train_y  # the label views too
     other = build_federated_dataset("digits", 5, "iid", seed=1)  # same shapes, another partition
     with pytest.raises(ValueError, match="partition"):
         fd.hold_copy(other)
     wrong = fd.to("cpu")
-    wrong.test_x = fd.test_x[:-1]
-    with pytest.raises(ValueError, match="test_x"):
+    wrong.train_y = fd.train_y[:-1]
+    with pytest.raises(ValueError, match="train_y"):
         fd.hold_copy(wrong)
-    assert fd.train_x is copy.train_x and fd.test_x is copy.test_x  # a refused copy changes nothing
+    assert fd.train_y is copy.train_y and fd.partition is copy.partition  # a refused copy changes nothing
+    block = fd.train_x.clone()
+    fd.hold_block(0, block)
+    assert fd.train_x is block
+    with pytest.raises(ValueError, match="block 0"):
+        fd.hold_block(0, block[:-1])
+    assert fd.train_x is block
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -146,3 +154,36 @@ def test_real_femnist_and_shakespeare_natural_clients():
     assert (shk.client_sizes() > 0).all()
     with pytest.raises(ValueError, match="more than the"):
         build_federated_dataset("shakespeare", 5000, None, seed=0)
+
+
+def test_row_blocks_clients_views_and_a_partition_that_mixes_blocks(monkeypatch, caplog):
+    """Synthetic features in row blocks stay blocks under the natural partition: each client reads its
+    block with indices into it, the same rows as from one tensor; a partition that mixes the blocks
+    joins them into one; shipping without the features and attaching them back is checked."""
+    opts = {"size_mean": 1.0, "size_sigma": 1.0, "min_size": 10}
+    whole = build_federated_dataset("synthetic", 3000, "natural", seed=2, source_options=opts)
+    monkeypatch.setattr(synthetic, "BLOCK_BYTES", 30_000)
+    fd = build_federated_dataset("synthetic", 3000, "natural", seed=2, source_options=opts)
+    assert len(whole.train_blocks) == 1 and len(fd.train_blocks) >= 4 and fd.num_train == whole.num_train
+    assert fd.block_starts[-1] == fd.num_train and fd.client_block[-1] == len(fd.train_blocks) - 1
+    for c in range(fd.num_clients):
+        x, y = fd.client_data(c)
+        want_x, want_y = whole.client_data(c)
+        assert torch.equal(x, want_x) and torch.equal(y, want_y)
+    block, labels, idx = fd.client_view(2999)
+    assert block is fd.train_blocks[-1] and labels.shape[0] == block.shape[0] and int(idx.max()) < block.shape[0]
+    assert fd.client_view(2998)[1] is labels  # the clients of a block share its tensors
+    with pytest.raises(ValueError, match="row blocks"):
+        fd.train_x  # noqa: B018
+    shell = fd.without_training_features()
+    assert shell.train_blocks == [] and shell.test_x is None and fd.test_x is not None
+    with pytest.raises(ValueError, match="blocks of training features"):
+        shell.attach_training_features(fd.train_blocks[:-1])
+    with pytest.raises(ValueError, match="training block 1"):
+        shell.attach_training_features([fd.train_blocks[0], fd.train_blocks[0], *fd.train_blocks[2:]])
+    shell.attach_training_features(fd.train_blocks)
+    assert torch.equal(shell.client_data(7)[0], whole.client_data(7)[0])
+    with caplog.at_level("INFO"):
+        mixed = build_federated_dataset("synthetic", 3000, "iid", seed=2, source_options=opts)
+    assert len(mixed.train_blocks) == 1 and torch.equal(mixed.train_x, whole.train_x)
+    assert "joined into one" in caplog.text

@@ -21,6 +21,8 @@ import pytest
 from fl_platform.datasets.download import fetch
 from fl_platform.datasets.paths import ENV_VAR, DatasetNotFoundError, DownloadError, data_root
 from fl_platform.datasets.registry import SOURCES, load_source, source_options
+from fl_platform.datasets.source import RowBlocks
+from fl_platform.datasets.sources import synthetic
 from fl_platform.datasets.sources.cifar import load_cifar10, load_cifar100, read_cifar_pickle
 from fl_platform.datasets.sources.digits import load_digits
 from fl_platform.datasets.sources.idx import (
@@ -88,11 +90,21 @@ def test_synthetic_shapes_groups_and_determinism():
     assert len(np.unique(s.train_y)) > 1
 
 
-def test_synthetic_data_is_pinned():
+@pytest.mark.parametrize("block_bytes", [None, 100_000])
+def test_synthetic_data_is_pinned(block_bytes, monkeypatch):
     """The same data as before for the same seed: the feature means, drawn chunk by chunk since they
     took 240 MB at a million devices, are the numbers of the former single draw (several chunks
-    here). Pinned with numpy 2.4's Generator streams."""
+    here). Pinned with numpy 2.4's Generator streams. The same numbers when the training features
+    come in row blocks of whole devices (one per chunk here)."""
+    if block_bytes is not None:
+        monkeypatch.setattr(synthetic, "BLOCK_BYTES", block_bytes)
     s = load_synthetic(seed=0, num_clients=300, alpha=0.5, beta=0.5, max_size=400)
+    if block_bytes is None:
+        assert isinstance(s.train_x, np.ndarray)
+    else:
+        assert isinstance(s.train_x, RowBlocks) and len(s.train_x.blocks) == 7 and len(s.train_x) == s.num_train
+        device_starts = np.searchsorted(s.train_groups, np.arange(300))  # blocks hold whole devices
+        assert set(np.cumsum([len(b) for b in s.train_x.blocks])[:-1]) <= set(device_starts)
     digest = hashlib.sha256()
     for a in (s.train_x, s.train_y, s.test_x, s.test_y, s.train_groups, s.test_groups):
         digest.update(np.ascontiguousarray(a).tobytes())

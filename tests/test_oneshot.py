@@ -325,3 +325,18 @@ def test_feddf_distils_on_the_out_of_domain_set(make_config):
                      "algorithm.val_fraction=0", "algorithm.distill_set=digits", "algorithm.distill_size=77")
     server = exp.simulation.server
     assert rows[-1]["distill_set_size"] == 77 and server.distill_x.shape == (77, 1, 8, 8)
+
+
+@pytest.mark.parametrize("algorithm", ["oneshot_ensemble", "fusefl"])
+def test_a_hold_out_refuses_training_features_in_row_blocks(make_config, monkeypatch, algorithm):
+    """The server's hold-out split is drawn over one training tensor: features held in row blocks
+    (Synthetic at scale) are refused at start-up, not split per block."""
+    from fl_platform.datasets.sources import synthetic
+
+    monkeypatch.setattr(synthetic, "BLOCK_BYTES", 30_000)
+    extra = ("algorithm.server_fraction=0.1", "algorithm.blocks=1") if algorithm == "fusefl" else ()
+    with pytest.raises(NotImplementedError, match=r"hold-out split needs the training features in one tensor"):
+        build(make_config(f"algorithm={algorithm}", "dataset=synthetic", "partition=natural", "model=mlp",
+                          "num_clients=1000",
+                          "dataset.size_mean=1", "dataset.size_sigma=1", "dataset.min_size=10",
+                          "clients_per_round=3", "rounds=1", *extra))

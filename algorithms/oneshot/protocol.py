@@ -72,8 +72,21 @@ def server_split(num_train: int, fraction: float, seed: int) -> np.ndarray:
     return np.sort(rng.choice(num_train, size=count, replace=False)).astype(np.int64)
 
 
+def require_one_block(data: Any, algorithm: str) -> None:
+    """Refuse a dataset whose training features are held in row blocks (datasets/federated.py): the
+    hold-out split is drawn over all training rows and ``HoldoutFilter`` applies it to a client's rows of
+    the one training tensor."""
+    if len(data.train_blocks) != 1:
+        raise NotImplementedError(
+            f"algorithm {algorithm!r}: the server's hold-out split needs the training features in one tensor; "
+            f"{data.name}'s are held in {len(data.train_blocks)} row blocks (Synthetic beyond "
+            "64 MiB of features); fewer clients or another source")
+
+
 class HoldoutFilter:
-    """Removes the server's held-out samples from a client's index slice (cached per worker)."""
+    """Removes the server's held-out samples from a client's index slice (cached per worker).
+
+    The client's tensor is the dataset's one training tensor (``require_one_block`` at start-up)."""
 
     def __init__(self, fraction: float, seed: int) -> None:
         self.fraction = fraction
@@ -222,6 +235,7 @@ class OneShotServer(ServerAlgorithm):
     # ------------------------------------------------------------------ data and rounds
     def attach_data(self, data: Any) -> None:
         """Keep the held-out server split (never trained on by a client) and the input range."""
+        require_one_block(data, self.cfg.name)
         split = torch.from_numpy(server_split(int(data.train_x.shape[0]), self.cfg.server_fraction,
                                               self.setup.seed))
         self.server_x = data.train_x.index_select(0, split.to(data.train_x.device)).to("cpu")

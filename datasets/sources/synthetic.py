@@ -9,6 +9,10 @@ Samples within a device are i.i.d., so the reference's per-device shuffle before
 nothing in distribution and is skipped. Everything is drawn in a few large numpy calls and the
 logits are computed over chunks of devices, so 100,000 devices cost seconds and no per-device
 Python objects. The result depends only on the arguments (its own SeedSequence, fixed chunking).
+
+Training features beyond ``BLOCK_BYTES`` are generated into separate blocks of whole devices
+(``RowBlocks``), so that the Ray engine can ship them one object per block and free each as it goes:
+a million devices never exist twice in the driver's memory. The values do not depend on the blocks.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ import itertools
 
 import numpy as np
 
-from fl_platform.datasets.source import SourceData
+from fl_platform.datasets.source import RowBlocks, SourceData
 
 # Samples per chunk when computing logits: bounds the temporary (samples x features x classes) gather.
 _CHUNK_SAMPLES = 8192
+#: Bytes of training features per block (whole chunks of devices): about 64 MiB.
+BLOCK_BYTES = 64 << 20
 
 
 def device_sizes(
@@ -100,15 +106,24 @@ def load_synthetic(
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     train_off = np.concatenate([[0], np.cumsum(n_train)])
     test_off = np.concatenate([[0], np.cumsum(n_test)])
-    train_x = np.empty((int(train_off[-1]), num_features), dtype=np.float32)
     test_x = np.empty((int(test_off[-1]), num_features), dtype=np.float32)
-    train_y = np.empty(len(train_x), dtype=np.int64)
+    train_y = np.empty(int(train_off[-1]), dtype=np.int64)
     test_y = np.empty(len(test_x), dtype=np.int64)
 
     # Chunks of whole devices holding about _CHUNK_SAMPLES samples; boundaries depend only on sizes.
     cuts = np.searchsorted(offsets, np.arange(0, offsets[-1], _CHUNK_SAMPLES), side="right") - 1
     bounds = np.unique(np.concatenate([cuts, [num_clients]]))
-    for d0, d1 in itertools.pairwise(bounds):
+    # Blocks of whole chunks, each closed once it holds BLOCK_BYTES of features (the last: the rest).
+    rows_per_block = max(1, BLOCK_BYTES // (num_features * np.dtype(np.float32).itemsize))
+    edges = [int(bounds[0])]
+    for d in bounds[1:-1]:
+        if train_off[d] - train_off[edges[-1]] >= rows_per_block:
+            edges.append(int(d))
+    edges.append(num_clients)
+    blocks = [np.empty((int(train_off[e1] - train_off[e0]), num_features), dtype=np.float32)
+              for e0, e1 in itertools.pairwise(edges)]
+    block_of_chunk = np.searchsorted(edges, bounds[:-1], side="right") - 1
+    for (d0, d1), k in zip(itertools.pairwise(bounds), block_of_chunk, strict=True):
         nd = int(d1 - d0)
         local_dev = np.repeat(np.arange(nd), sizes[d0:d1])
         x = rng_x.standard_normal((len(local_dev), num_features), dtype=np.float32)
@@ -127,7 +142,8 @@ def load_synthetic(
         y = logits.argmax(axis=1)
         pos = np.arange(len(local_dev)) - (offsets[d0:d1] - offsets[d0])[local_dev]
         is_train = pos < n_train[d0:d1][local_dev]
-        train_x[train_off[d0] : train_off[d1]] = x[is_train]
+        row0 = train_off[edges[k]]
+        blocks[k][train_off[d0] - row0 : train_off[d1] - row0] = x[is_train]
         train_y[train_off[d0] : train_off[d1]] = y[is_train]
         test_x[test_off[d0] : test_off[d1]] = x[~is_train]
         test_y[test_off[d0] : test_off[d1]] = y[~is_train]
@@ -135,7 +151,7 @@ def load_synthetic(
     devices = np.arange(num_clients, dtype=np.int64)
     kind = "iid" if iid else f"{alpha:g}_{beta:g}"
     return SourceData(
-        train_x=train_x,
+        train_x=RowBlocks(blocks) if len(blocks) > 1 else blocks[0],
         train_y=train_y,
         test_x=test_x,
         test_y=test_y,

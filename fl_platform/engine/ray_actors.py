@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,12 @@ class RayWorker(Worker):
     """The actor class: every result that carries tensors leaves as a Packed message."""
 
     _node_dir: Path | None = None  # this run's node-local state folder (removed on close)
+
+    def __init__(self, worker_id: int, setup: Any, options: WorkerOptions, *blocks: Any) -> None:
+        """``blocks``: the training features' row blocks, shipped apart from ``setup`` (views of the
+        node's object-store copies)."""
+        setup.dataset.attach_training_features(blocks)
+        super().__init__(worker_id, setup, options)
 
     def store_options(self) -> dict[str, Any]:
         """``node_run`` (the run's id) asks for node-local folders: resolved here, on the node."""
@@ -157,15 +163,17 @@ class ActorPool:
     """One live actor per worker id, each pinned to a node once it started there."""
 
     def __init__(self, placement: Placement, setup_ref: Any, options: Callable[[int, int], WorkerOptions],
-                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+                 start_timeout_s: float = START_TIMEOUT_S, blocks: Sequence[Any] = ()) -> None:
         """``options(worker_id, incarnation)`` gives each new actor its WorkerOptions; an actor not up within
-        ``start_timeout_s`` (engine.start_timeout_s), first or replacement, is an error."""
+        ``start_timeout_s`` (engine.start_timeout_s), first or replacement, is an error. ``blocks``: the
+        object references of the training features' row blocks, which every actor receives."""
         import ray
 
         self._ray = ray
         self.start_timeout_s = start_timeout_s
         self.placement = placement
         self._setup_ref = setup_ref
+        self._blocks = list(blocks)
         self._options = options
         self._cls = ray.remote(RayWorker)
         self.incarnation = [0] * placement.num_workers
@@ -186,7 +194,8 @@ class ActorPool:
         strategy = NodeAffinitySchedulingStrategy(node, soft=False) if node is not None else "SPREAD"
         cls = self._cls.options(num_cpus=self.placement.cpus_per_worker, num_gpus=self.placement.gpus_per_worker,
                                 max_restarts=0, max_task_retries=0, scheduling_strategy=strategy)
-        return cls.remote(worker_id, self._setup_ref, self._options(worker_id, self.incarnation[worker_id]))
+        return cls.remote(worker_id, self._setup_ref, self._options(worker_id, self.incarnation[worker_id]),
+                          *self._blocks)
 
     def ping_all(self) -> None:
         """Wait until every actor is up (its Worker built) and record its node; a failure in a

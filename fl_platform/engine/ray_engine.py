@@ -2,8 +2,9 @@
 
 Created once per run (``ray_cluster.py`` connects and ships the code, ``ray_placement.py``
 decides W and each actor's CPUs/GPUs, ``ray_actors.py`` starts them spread over the nodes): the
-experiment setup, dataset tensors included, goes through the object store once and each actor
-keeps it on its device; the driver then reads the dataset from that copy too, freeing its own.
+experiment setup goes through the object store once, the training features one object per row
+block (datasets/federated.py), and each actor keeps them on its device; the driver then reads the
+blocks from those copies too, freeing each of its own as soon as it is copied.
 Per round the broadcast is sent once (inside the call when small, else put into the object store
 once and read by every actor), every actor trains its clients from the scheduler's plan and
 returns one partial aggregate. No remote call is made per client. Messages
@@ -139,11 +140,19 @@ class RayEngine(Engine):
         self.slow_factor = float(conf_value(fault, "slow_factor", 1.0))  # slow_factor x as long
         check_slow_worker(self.slow_worker, num_workers)
         t0 = time.perf_counter()
-        setup_ref = ray.put(Packed(self.setup))
-        # From here the driver reads the dataset from the object-store copy it has just written, as
-        # its node's workers do, and its own copy is freed: the node holds the data once for the run.
-        setup.dataset.hold_copy(ray.get(setup_ref).dataset)
-        self.pool = ActorPool(self.placement, setup_ref, self._options, self.start_timeout_s)
+        # The training features go into the object store one row block at a time, and from then on the
+        # driver reads each block from the store's copy, as its node's workers do, its own freed: the
+        # node holds the data once, during the shipping too. The rest of the set-up follows in one
+        # object, without the test set, which only the driver evaluates on.
+        data = self.setup.dataset
+        self.blocks = []
+        for i, block in enumerate(data.train_blocks):
+            self.blocks.append(ray.put(Packed(block, views=True)))
+            data.hold_block(i, ray.get(self.blocks[-1]))
+        del block
+        setup_ref = ray.put(Packed(dataclasses.replace(self.setup, dataset=data.without_training_features())))
+        data.hold_copy(ray.get(setup_ref).dataset)
+        self.pool = ActorPool(self.placement, setup_ref, self._options, self.start_timeout_s, self.blocks)
         self.pool.ping_all()
         self.stateful = bool(ray.get(self.pool[0].is_stateful.remote()))
         self.state_nbytes = int(ray.get(self.pool[0].state_nbytes.remote())) if self.stateful else 0

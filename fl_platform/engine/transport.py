@@ -80,9 +80,16 @@ class _Shared:
         return _reduce_shared(self.tensor)
 
 
+def _shared(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _Shared(value)
+    if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return [_Shared(v) for v in value]  # the training features' row blocks
+    return value
+
+
 def _reduce_dataset(data: FederatedDataset) -> tuple[Any, tuple[Any, ...]]:
-    state = {k: _Shared(v) if isinstance(v, torch.Tensor) else v for k, v in vars(data).items()}
-    return _rebuild, (type(data), state)
+    return _rebuild, (type(data), {k: _shared(v) for k, v in data.__getstate__().items()})
 
 
 def _rebuild(cls: type, state: dict[str, Any]) -> Any:

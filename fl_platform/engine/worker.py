@@ -119,7 +119,8 @@ class Worker:
         return make_store(self.setup.state_store, specs, **options)
 
     def client_data(self, client_id: int) -> ClientData:
-        return ClientData(self.data.train_x, self.data.train_y, self.data.client_indices(client_id), self.data.augment)
+        x, y, indices = self.data.client_view(client_id)
+        return ClientData(x, y, indices, self.data.augment)
 
     # ------------------------------------------------------------------ one round
 
@@ -259,7 +260,7 @@ class Worker:
             return int(self.setup.cohort_size)
         if self._per_client_bytes is None:
             state_numel = sum(spec.size for spec in self.store.specs.values())
-            self._per_client_bytes = self.cohort.per_client_bytes(self.data.train_x, 4 * state_numel)
+            self._per_client_bytes = self.cohort.per_client_bytes(self.data.train_blocks[0], 4 * state_numel)
         return auto_cohort_size(self._per_client_bytes, remaining, self.memory_budget())
 
     def memory_budget(self) -> int:

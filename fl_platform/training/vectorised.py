@@ -163,8 +163,9 @@ class CohortTrainer:
         cfg, fm, fn = self.cfg, self.fm, self.fn
         x, y = members[0].data.x, members[0].data.y
         aug = members[0].data.augment
-        if any(m.data.x is not x or m.data.y is not y or m.data.augment is not aug for m in members):
-            raise NotVectorisable("the clients of one cohort do not share one training tensor and augmentation")
+        if any(m.data.augment is not aug for m in members):
+            raise NotVectorisable("the clients of one cohort do not share one augmentation")
+        shared = all(m.data.x is x and m.data.y is y for m in members)
         reason = self.unsupported_reason(x, y)
         if reason is not None:
             raise NotVectorisable(reason)
@@ -190,7 +191,12 @@ class CohortTrainer:
         # Each client's current epoch order (row i: ordered[i]), refilled when its next epoch starts.
         width = max(int(plan.sizes.max()), 1)
         shuffled = torch.zeros(k_all, width, dtype=torch.long, device=device)
-        own_rows = torch.cat([m.data.indices.to(device) for m in ordered])  # clients' rows, back to back
+        if shared:
+            own_rows = torch.cat([m.data.indices.to(device) for m in ordered])  # clients' rows, back to back
+        else:  # clients of several row blocks (datasets/federated.py): their rows, gathered once for this fit
+            x = torch.cat([m.data.x.index_select(0, m.data.indices) for m in ordered])
+            y = torch.cat([m.data.y.index_select(0, m.data.indices) for m in ordered])
+            own_rows = torch.arange(x.shape[0], device=device)
         generators: list[torch.Generator | None] = [None] * k_all
         shuffle_seeds = derive_seeds(seed, Stream.SHUFFLE, round, np.array([m.client_id for m in ordered]),
                                      *shuffle_keys(cfg))

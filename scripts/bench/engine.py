@@ -110,7 +110,7 @@ def train_client(model, data, client: int, rnd: int) -> int:
 
     from fl_platform.seeding import Stream, torch_generator
 
-    idx = data.client_indices(client)
+    x, y, idx = data.client_view(client)  # its row block, labels and rows in it
     n = idx.numel()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     order = idx[torch.randperm(n, generator=torch_generator(SEED, Stream.SHUFFLE, rnd, client))]
@@ -118,7 +118,7 @@ def train_client(model, data, client: int, rnd: int) -> int:
     for start in range(0, n, BATCH):
         b = order[start : start + BATCH]
         opt.zero_grad()
-        F.cross_entropy(model(data.train_x.index_select(0, b)), data.train_y.index_select(0, b)).backward()
+        F.cross_entropy(model(x.index_select(0, b)), y.index_select(0, b)).backward()
         opt.step()
     return int(n)
 

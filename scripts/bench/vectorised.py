@@ -119,7 +119,7 @@ def child_plain(config: str, model_name: str, rounds: int, device: str) -> dict[
             with torch.no_grad():
                 for p, s in zip(params, start):
                     p.copy_(s)
-            idx = data.client_indices(cid)
+            x, y, idx = data.client_view(cid)  # its row block, labels and rows in it
             n = idx.numel()
             opt = torch.optim.SGD(model.parameters(), lr=LR)
             order = idx[torch.randperm(n, generator=torch_generator(SEED, Stream.SHUFFLE, r, cid)).to(dev)]
@@ -127,7 +127,7 @@ def child_plain(config: str, model_name: str, rounds: int, device: str) -> dict[
             for lo in range(0, n, BATCH):
                 b = order[lo : lo + BATCH]
                 opt.zero_grad()
-                F.cross_entropy(model(data.train_x.index_select(0, b)), data.train_y.index_select(0, b)).backward()
+                F.cross_entropy(model(x.index_select(0, b)), y.index_select(0, b)).backward()
                 opt.step()
             with torch.no_grad():
                 for a, p, s in zip(acc, params, start):
