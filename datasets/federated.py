@@ -141,17 +141,16 @@ class FederatedDataset:
         return self.partition.sizes()
 
     def client_indices(self, c: int) -> torch.Tensor:
-        """Client ``c``'s rows of its block (``client_view``) as an int64 tensor on the data's device (a
-        view); with one block, rows of ``train_x``."""
+        """Client ``c``'s rows of its block (``client_view``) as an int64 tensor on the data's device;
+        with one block, rows of ``train_x`` (a view of one cached index tensor)."""
         if not 0 <= c < self.num_clients:
             raise IndexError(f"client {c} out of range for {self.num_clients} clients")
         if self._indices is None or self._indices.device != self.train_y.device:
-            local = self.partition.indices
-            if len(self.block_starts) > 2:  # rows counted from the start of each client's block
-                local = local - np.repeat(self.block_starts[self.client_block], self.partition.sizes())
-            self._indices = torch.from_numpy(local).to(self.train_y.device)
+            self._indices = torch.from_numpy(self.partition.indices).to(self.train_y.device)
         lo, hi = self.partition.offsets[c], self.partition.offsets[c + 1]
-        return self._indices[int(lo) : int(hi)]
+        rows = self._indices[int(lo) : int(hi)]
+        start = int(self.block_starts[self.client_block[c]])
+        return rows - start if start else rows  # counted from the start of the client's block
 
     def client_view(self, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Client ``c``'s block of features, the block's labels and the client's rows in it (views)."""
