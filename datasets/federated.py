@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -29,12 +28,6 @@ from fl_platform.datasets.partition import PARTITIONERS, Partition, make_partiti
 from fl_platform.datasets.source import RowBlocks, SourceData
 
 log = logging.getLogger(__name__)
-
-
-def _tensor(a: np.ndarray) -> torch.Tensor:
-    with warnings.catch_warnings():  # a read-only array (a Ray object's): nothing writes to the data
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(np.ascontiguousarray(a))
 
 
 def _client_blocks(partition: Partition, starts: np.ndarray) -> np.ndarray | None:
@@ -94,10 +87,10 @@ class FederatedDataset:
             blocks, starts = [np.concatenate(blocks)], starts[[0, -1]]
             client_block = np.zeros(partition.num_clients, dtype=np.int64)
         return cls(
-            train_blocks=[_tensor(b) for b in blocks],
-            train_y=_tensor(source.train_y),
-            test_x=_tensor(source.test_x),
-            test_y=_tensor(source.test_y),
+            train_blocks=[torch.from_numpy(np.ascontiguousarray(b)) for b in blocks],
+            train_y=torch.from_numpy(np.ascontiguousarray(source.train_y)),
+            test_x=torch.from_numpy(np.ascontiguousarray(source.test_x)),
+            test_y=torch.from_numpy(np.ascontiguousarray(source.test_y)),
             partition=partition,
             num_classes=source.num_classes,
             input_shape=tuple(source.input_shape),

@@ -63,7 +63,8 @@ def shuffle_keys(cfg: TrainConfig) -> tuple[int, ...]:
 
 @dataclass
 class ClientData:
-    """A client's view of the federated dataset: shared device tensors plus its index slice, and the
+    """A client's view of the federated dataset: the shared device tensors its rows lie in (the
+    training tensors, or their row block holding the client) plus its index slice into them, and the
     data set's augmentation of training minibatches (None: none)."""
 
     x: torch.Tensor

@@ -209,6 +209,10 @@ def measure(system: str, clients: int, per_round: int, rounds: int, interval: fl
     start, end = ends.get("start the engine"), ends.get("the rounds")
     during = [v for t, v in timeline if start is not None and end is not None and start <= t <= end]
     row["rounds_pss_mb"] = {k: max(v.get(k, 0) for v in during) for k in {k for v in during for k in v}}
+    # The head machine: driver and node0 summed per sample, up to the rounds' end (at shutdown the driver
+    # alone maps the store's pages for a moment, which moves PSS between parts, not memory).
+    row["head_pss_mb"] = max((v.get("driver", 0) + v.get("node0", 0) for t, v in timeline
+                              if end is None or t <= end), default=0.0)
     times = res.data["round_s"]
     row["median_round_s"] = statistics.median(times[1:] if len(times) > 1 else times)
     return row
@@ -266,9 +270,11 @@ def render(rows: list[dict[str, Any]], rounds: int, baseline_mb: float | None) -
             lines.append(f"- {r['system']}, peak PSS per part (each its own peak): driver {r['pss_mb']['driver']:.0f} MB "
                          f"({r['pss_mb']['driver'] / r['data_mb']:.2f}x data), "
                          + ", ".join(f"{k} {v:.0f} MB ({v / r['data_mb']:.2f}x)" for k, v in nodes.items())
-                         + ". The driver's peak counts its own copy and the object-store pages it wrote by `ray.put` "
-                         "until the head's worker maps them too; node0: the head's raylet (with its object store), GCS, "
-                         "monitors and worker; node1: raylet (object store) and worker.")
+                         + f"; the head machine (driver and node0, summed per sample) {r['head_pss_mb']:.0f} MB "
+                         f"({r['head_pss_mb'] / r['data_mb']:.2f}x). The driver's peak counts the data once (the "
+                         "blocks not yet shipped, and the object-store pages of those shipped until the head's worker "
+                         "maps them too) and the block being copied; node0: the head's raylet (with its object store), "
+                         "GCS, monitors and worker; node1: raylet (object store) and worker.")
         during = r.get("rounds_pss_mb") or {}
         if nodes and during:
             d = r["data_mb"]
@@ -277,10 +283,10 @@ def render(rows: list[dict[str, Any]], rounds: int, baseline_mb: float | None) -
             lines.append(f"- {r['system']}, PSS held while training (the largest sample per part from the engine's start "
                          f"to the last round's end): {held}; the head machine (driver and node0) {head:.0f} MB "
                          f"({head / d:.2f}x), the whole cluster {during.get('total', 0):.0f} MB "
-                         f"({during.get('total', 0) / d:.2f}x). The driver reads the head's object-store copy once it "
-                         "has put it and its own copy is freed, so each node holds the data once while the run trains "
+                         f"({during.get('total', 0) / d:.2f}x). The driver reads the head's object-store copy of each "
+                         "block once it has put it and its own is freed, so each node holds the data once "
                          "(the store's pages count in the driver's PSS as it wrote them all; its node's worker maps "
-                         "only the rows it reads).")
+                         "only the rows it reads); the test set is the driver's alone.")
     return "\n".join(lines)
 
 
