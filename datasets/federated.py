@@ -59,10 +59,10 @@ class FederatedDataset:
     num_classes: int
     input_shape: tuple[int, ...]
     name: str
+    block_starts: np.ndarray  # each block's first row, then the number of rows
+    client_block: np.ndarray  # each client's block
     vocab: list[str] | None = None
     augment: Augmentation | None = None  # of training minibatches (dataset.augment); None: off
-    block_starts: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))  # first rows, + total
-    client_block: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # each client's block
     _indices: torch.Tensor | None = field(default=None, init=False, repr=False)
     _labels: list[torch.Tensor] | None = field(default=None, init=False, repr=False)  # train_y per block
 
