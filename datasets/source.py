@@ -44,10 +44,6 @@ class RowBlocks:
     def dtype(self) -> np.dtype:
         return self.blocks[0].dtype
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.blocks)
-
     def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
         out = np.concatenate(self.blocks) if len(self.blocks) > 1 else self.blocks[0]
         return out if dtype is None else out.astype(dtype, copy=False)

@@ -145,14 +145,13 @@ class RayEngine(Engine):
         # node holds the data once, during the shipping too. The rest of the set-up follows in one
         # object, without the test set, which only the driver evaluates on.
         data = self.setup.dataset
-        self.blocks = []
-        for i, block in enumerate(data.train_blocks):
-            self.blocks.append(ray.put(Packed(block, views=True)))
-            data.hold_block(i, ray.get(self.blocks[-1]))
-        del block
+        blocks = []  # the pool keeps the references (replacement actors receive them too)
+        for i in range(len(data.train_blocks)):  # no loop variable keeps a shipped block alive
+            blocks.append(ray.put(Packed(data.train_blocks[i], views=True)))
+            data.hold_block(i, ray.get(blocks[-1]))
         setup_ref = ray.put(Packed(dataclasses.replace(self.setup, dataset=data.without_training_features())))
         data.hold_copy(ray.get(setup_ref).dataset)
-        self.pool = ActorPool(self.placement, setup_ref, self._options, self.start_timeout_s, self.blocks)
+        self.pool = ActorPool(self.placement, setup_ref, self._options, self.start_timeout_s, blocks)
         self.pool.ping_all()
         self.stateful = bool(ray.get(self.pool[0].is_stateful.remote()))
         self.state_nbytes = int(ray.get(self.pool[0].state_nbytes.remote())) if self.stateful else 0
