@@ -49,7 +49,7 @@ GENERATOR = (*SMALL_CNN, "rounds=1", "algorithm.cache_dir=null", "algorithm.epoc
 # A tiny run per algorithm in which as many of its fields as possible act (2 rounds where a field
 # acts from the second round on: server momentum, schedules, error feedback).
 ALGORITHM_BASES: dict[str, tuple[str, ...]] = {
-    "fedavg": MLP, "fedprox": MLP, "scaffold": MLP,
+    "fedavg": MLP, "fedprox": MLP, "scaffold": MLP, "fednova": MLP,
     "fedimpro": ("model=mlp", "model.hidden=[8,8]"),
     "vhl": (*SMALL_CNN, "algorithm.virtual_batch_size=4", "algorithm.samples_per_class=2",
             "algorithm.generator_channels=4", "algorithm.style_dim=4"),
