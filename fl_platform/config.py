@@ -283,7 +283,7 @@ class EngineConf:
     num_workers: int | None = None  # inline: 1; ray: what Ray sees (GPUs, else CPUs)
     device: str = "auto"  # auto = cuda if available, else cpu
     cpus_per_worker: float = 1.0
-    gpus_per_worker: float | None = None  # None: 1 / (workers per GPU) when a GPU is present
+    gpus_per_worker: float | None = None  # None: an even split of its GPU (one Ray bundle per GPU, workers dealt over them)
     threads_per_worker: int | None = None  # torch intra-op threads (ray, None: cpus_per_worker, min 1; inline, None: torch default)
     state_store: str = "memory"  # memory | disk | distributed (see docs/engine.md)
     # disk/distributed: where client state lives. Inline: None = <run dir>/client_state. Ray: a path
@@ -306,7 +306,7 @@ class EngineConf:
     # many as fit in half of the worker's share of its device's memory. Validated by parse_cohort_size.
     cohort_size: Any = 1
     # Where the driver evaluates: auto = inline: engine.device; ray: the driver's CPU. cuda (ray: holds
-    # a worker's share of a GPU on the driver's node for it, so Ray accounts for it) or cpu.
+    # 0.1 of a GPU on the driver's node for it, so Ray accounts for it) or cpu.
     eval_device: str = "auto"
     start_timeout_s: float = 600.0  # ray: workers not started within this many seconds: an error naming what is missing
 

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -68,8 +69,14 @@ def checks(root: Path, gpus: int) -> list[tuple[str, Callable[[], str]]]:
             diff = float((exp.simulation.server.weights - state["inline"]).abs().max())
             if not diff < 1e-3:
                 raise AssertionError(f"weights differ from inline by {diff:.2e} (> 1e-3)")
-            share = exp.engine.placement.gpus_per_worker
-            return (f"{workers} workers ({share:g} GPU each) in {secs:.1f} s, max |w - inline| = {diff:.1e}, "
+            rows = exp.engine.describe_workers()  # where Ray put each worker (its ray.get_gpu_ids()) and what it trains on
+            if any(not r["device"].startswith("cuda") for r in rows):
+                raise AssertionError(f"a worker does not train on CUDA: {[(r['worker'], r['device']) for r in rows]}")
+            load = Counter((r["node"], ",".join(r["gpu_ids"])) for r in rows)
+            if len(load) != min(workers, gpus) or max(load.values()) - min(load.values()) > 1:
+                raise AssertionError(f"workers per GPU not even over the {gpus} GPUs: {dict(load)}")
+            share = min(r["gpu_share"] for r in rows)
+            return (f"{workers} workers ({share:g} GPU each, GPUs {sorted(load)}) in {secs:.1f} s, max |w - inline| = {diff:.1e}, "
                     f"eval on {exp.simulation.eval_model.device}")
         return check
 

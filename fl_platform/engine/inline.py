@@ -71,6 +71,14 @@ class InlineEngine(Engine):
         self._stats["sched_engine_s"] = time.perf_counter() - t0
         return results
 
+    def describe_workers(self) -> list[dict[str, Any]]:
+        rows = []
+        for w in self.workers:
+            info = w.describe()
+            rows.append({"worker": info["worker"], "node": info["host"], "device": info["device"], "gpu_ids": [],
+                         "gpu_share": 0.0, "torch": info["torch"], "cuda": info["cuda"]})
+        return rows
+
     def round_stats(self) -> dict[str, Any]:
         return dict(self._stats)
 

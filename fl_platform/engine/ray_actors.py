@@ -23,7 +23,7 @@ from typing import Any
 
 from fl_platform.compression.uplink import contribution_sizes
 from fl_platform.core import Aggregate, Broadcast, RoundContext
-from fl_platform.engine.ray_placement import Placement
+from fl_platform.engine.ray_placement import GpuGroup, Placement
 from fl_platform.engine.transport import Packed
 from fl_platform.engine.worker import Worker, WorkerOptions
 from fl_platform.state.distributed import home_worker
@@ -40,6 +40,30 @@ def node_id() -> str:
     import ray
 
     return ray.get_runtime_context().get_node_id()
+
+
+def check_gpu_device(device: str) -> None:
+    """Fail loud: a worker that Ray gave GPUs trains on CUDA, or the run stops here naming the node, the
+    torch build and what is missing (``engine.device=cpu`` asks for CPU training explicitly, and then
+    Ray gives no GPU). Without this, ``auto`` on a node whose torch has no CUDA trained on the CPU unnoticed."""
+    import os
+    import socket
+
+    import ray
+    import torch
+
+    gpus = ray.get_gpu_ids()
+    if not gpus or device == "cpu" or torch.cuda.is_available():
+        return
+    if torch.version.cuda is None:
+        missing = "this torch is a CPU-only build (install a CUDA build of torch on that node)"
+    else:
+        missing = (f"this CUDA build sees no device (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}; "
+                   f"check the NVIDIA driver on that node)")
+    raise RuntimeError(
+        f"Ray gave this worker GPU(s) {[str(g) for g in gpus]} on node {node_id()[:12]} ({socket.gethostname()}), "
+        f"but it cannot train on CUDA: torch {torch.__version__}, torch.version.cuda={torch.version.cuda}: {missing}. "
+        f"engine.device={device}; set engine.device=cpu to train on the CPUs instead")
 
 
 @dataclass
@@ -64,6 +88,7 @@ class RayWorker(Worker):
     def __init__(self, worker_id: int, setup: Any, options: WorkerOptions, *blocks: Any) -> None:
         """``blocks``: the training features' row blocks, shipped apart from ``setup`` (views of the
         node's object-store copies)."""
+        check_gpu_device(setup.device)
         setup.dataset.attach_training_features(blocks)
         super().__init__(worker_id, setup, options)
 
@@ -77,13 +102,17 @@ class RayWorker(Worker):
         return options
 
     def node_info(self) -> dict[str, Any]:
-        """Where this actor runs and which copy of the code it imported."""
+        """Where this actor runs (node, device, the GPU ids Ray assigned, torch build) and which copy
+        of the code it imported."""
         import os
+
+        import ray
 
         import fl_platform
 
         return {"node_id": node_id(), "code": fl_platform.__file__, "pid": os.getpid(),
-                "state_dir": str(self._node_dir) if self._node_dir is not None else None}
+                "state_dir": str(self._node_dir) if self._node_dir is not None else None,
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], **self.describe()}
 
     def name(self) -> str:
         return f"worker {self.worker_id} on node {node_id()[:12]}"
@@ -143,13 +172,16 @@ class EvalSlot:
         return [int(i) for i in ray.get_gpu_ids()]
 
 
-def hold_eval_gpu(share: float, timeout: float = START_TIMEOUT_S) -> tuple[Any, int]:
-    """(the slot actor, the physical GPU id Ray reserved for the driver's evaluation)."""
+def hold_eval_gpu(share: float, timeout: float = START_TIMEOUT_S, group: GpuGroup | None = None) -> tuple[Any, int]:
+    """(the slot actor, the physical GPU id Ray reserved for the driver's evaluation): in ``group``'s
+    bundle on the driver's node when the workers hold GPUs, else ``share`` of a GPU of that node."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    slot = ray.remote(EvalSlot).options(num_cpus=0, num_gpus=share, scheduling_strategy=NodeAffinitySchedulingStrategy(
-        ray.get_runtime_context().get_node_id(), soft=False)).remote()
+    options = group.eval_options() if group is not None else {
+        "num_cpus": 0, "num_gpus": share,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)}
+    slot = ray.remote(EvalSlot).options(**options).remote()
     try:
         ids = ray.get(slot.gpu_ids.remote(), timeout=timeout)
     except ray.exceptions.GetTimeoutError:
@@ -163,13 +195,16 @@ class ActorPool:
     """One live actor per worker id, each pinned to a node once it started there."""
 
     def __init__(self, placement: Placement, setup_ref: Any, options: Callable[[int, int], WorkerOptions],
-                 start_timeout_s: float = START_TIMEOUT_S, blocks: Sequence[Any] = ()) -> None:
+                 start_timeout_s: float = START_TIMEOUT_S, blocks: Sequence[Any] = (),
+                 group: GpuGroup | None = None) -> None:
         """``options(worker_id, incarnation)`` gives each new actor its WorkerOptions; an actor not up within
         ``start_timeout_s`` (engine.start_timeout_s), first or replacement, is an error. ``blocks``: the
-        object references of the training features' row blocks, which every actor receives."""
+        object references of the training features' row blocks, which every actor receives. ``group``:
+        the GPU bundles (GPU workers), each worker in its own GPU's bundle."""
         import ray
 
         self._ray = ray
+        self.group = group
         self.start_timeout_s = start_timeout_s
         self.placement = placement
         self._setup_ref = setup_ref
@@ -179,6 +214,7 @@ class ActorPool:
         self.incarnation = [0] * placement.num_workers
         self.restarts = 0
         self.nodes: list[str | None] = [None] * placement.num_workers  # node id of each worker's actor
+        self.infos: list[dict[str, Any]] = []  # each actor's node_info at start-up (the workers table)
         self.actors = [self._spawn(w) for w in range(placement.num_workers)]
 
     def __getitem__(self, worker_id: int) -> Any:
@@ -188,12 +224,17 @@ class ActorPool:
         return iter(self.actors)
 
     def _spawn(self, worker_id: int, node: str | None = None) -> Any:
-        """A new actor for ``worker_id``: on ``node`` (hard affinity), or spread over the nodes."""
+        """A new actor for ``worker_id``: in its GPU bundle (which is on one node), else on ``node``
+        (hard affinity), or spread over the nodes."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        strategy = NodeAffinitySchedulingStrategy(node, soft=False) if node is not None else "SPREAD"
-        cls = self._cls.options(num_cpus=self.placement.cpus_per_worker, num_gpus=self.placement.gpus_per_worker,
-                                max_restarts=0, max_task_retries=0, scheduling_strategy=strategy)
+        if self.group is not None:
+            placed = self.group.actor_options(worker_id)
+        else:
+            placed = {"num_cpus": self.placement.cpus_per_worker, "num_gpus": 0,
+                      "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False) if node is not None
+                      else "SPREAD"}
+        cls = self._cls.options(max_restarts=0, max_task_retries=0, **placed)
         return cls.remote(worker_id, self._setup_ref, self._options(worker_id, self.incarnation[worker_id]),
                           *self._blocks)
 
@@ -210,11 +251,18 @@ class ActorPool:
                 ray.kill(actor, no_restart=True)
             raise RuntimeError(f"Ray workers {sorted(refs.index(r) for r in pending)} did not start within {timeout:g} s "
                                f"(engine.start_timeout_s): {reason}")
-        try:
-            infos = ray.get(refs)
-        except ray.exceptions.RayTaskError as err:
-            raise err.as_instanceof_cause() from None
+        infos = []
+        for w, ref in enumerate(refs):
+            try:
+                infos.append(ray.get(ref))
+            except ray.exceptions.RayTaskError as err:
+                raise err.as_instanceof_cause() from None
+            except ray.exceptions.RayActorError as err:  # its constructor raised: that error's own line
+                if not err.actor_init_failed:
+                    raise
+                raise RuntimeError(f"Ray worker {w} failed to start: {str(err).strip().splitlines()[-1]}") from None
         self.nodes = [info["node_id"] for info in infos]
+        self.infos = infos
 
     def unplaceable(self) -> str:
         """What a worker asks for and what each alive node has free (why actors stay pending)."""
@@ -222,7 +270,8 @@ class ActorPool:
         nodes = [f"{n['NodeID'][:12]}: {n['Resources'].get('CPU', 0):g} CPUs, {n['Resources'].get('GPU', 0):g} GPUs"
                  for n in self._ray.nodes() if n.get("Alive")]
         free = self._ray.available_resources()
-        return (f"each asks for {p.cpus_per_worker:g} CPUs and {p.gpus_per_worker:g} GPUs on one node"
+        gpus = max((self.group.share(w) for w in range(p.num_workers)), default=0.0) if self.group else 0.0
+        return (f"each asks for {p.cpus_per_worker:g} CPUs and {gpus:g} GPUs on one node"
                 f"{f', the driver evaluation {p.eval_gpus:g} GPU on the driver node' if p.eval_gpus else ''}; free "
                 f"now: {free.get('CPU', 0):g} CPUs, {free.get('GPU', 0):g} GPUs; nodes: {'; '.join(nodes)}. Lower "
                 f"engine.num_workers or the per-worker resources, or add nodes")
@@ -265,7 +314,7 @@ class ActorPool:
     def _start(self, worker_id: int, node: str | None) -> str:
         """Spawn worker ``worker_id`` (on ``node`` or anywhere) and wait for it; returns its node id."""
         ray = self._ray
-        if node is None:
+        if node is None and self.group is None:  # (a GPU worker goes back into its bundle)
             self._check_room(worker_id)
         self.actors[worker_id] = self._spawn(worker_id, node)
         try:
@@ -277,7 +326,7 @@ class ActorPool:
     def _check_room(self, worker_id: int) -> None:
         """Refuse to wait forever for a replacement that no node left can host."""
         free = self._ray.available_resources()
-        cpus, gpus = self.placement.cpus_per_worker, self.placement.gpus_per_worker
+        cpus, gpus = self.placement.cpus_per_worker, self.group.share(worker_id) if self.group else 0.0
         if free.get("CPU", 0.0) + 1e-9 < cpus or free.get("GPU", 0.0) + 1e-9 < gpus:
             raise RuntimeError(
                 f"cannot replace Ray worker {worker_id}: the nodes left ({len(self.alive_nodes())} alive) have "

@@ -46,7 +46,7 @@ import torch
 from fl_platform.core import Aggregate, Broadcast, RoundContext
 from fl_platform.engine.ray_actors import START_TIMEOUT_S, ActorPool, RoundCall, hold_eval_gpu
 from fl_platform.engine.ray_cluster import connect
-from fl_platform.engine.ray_placement import conf_value, plan_placement
+from fl_platform.engine.ray_placement import GpuGroup, conf_value, plan_placement, whole_gpus
 from fl_platform.engine.ray_state import Lending
 from fl_platform.engine.scheduler import Scheduler, check_slow_worker
 from fl_platform.engine.transport import Packed, received_bytes
@@ -92,6 +92,7 @@ class RayEngine(Engine):
         self._ray = ray
         self._owns_ray = connect(cfg)
         self._eval_slot: Any = None
+        self.group: GpuGroup | None = None
         self.pool: ActorPool | None = None
         try:
             self._start(setup, cfg)
@@ -106,10 +107,13 @@ class RayEngine(Engine):
             raise ValueError(f"engine.eval_device={eval_setting}: with engine=ray say cuda, and Ray picks the GPU "
                              f"whose share it holds for the driver")
         self.start_timeout_s = float(conf_value(cfg, "start_timeout_s", START_TIMEOUT_S))
-        self.placement = plan_placement(cfg, setup.device, ray.cluster_resources(), eval_on_gpu=eval_setting == "cuda")
+        self.placement = plan_placement(cfg, setup.device, ray.cluster_resources(), eval_on_gpu=eval_setting == "cuda",
+                                        node_gpus=whole_gpus(ray.nodes()))
+        if self.placement.uses_gpu:  # one bundle per GPU: every GPU used before any hosts two workers
+            self.group = GpuGroup(self.placement, self.start_timeout_s, ray.get_runtime_context().get_node_id())
         self.eval_device = torch.device("cpu")  # auto and cpu: the driver's CPU, outside the workers' GPUs
         if self.placement.eval_gpus:
-            self._eval_slot, gpu = hold_eval_gpu(self.placement.eval_gpus, self.start_timeout_s)
+            self._eval_slot, gpu = hold_eval_gpu(self.placement.eval_gpus, self.start_timeout_s, self.group)
             self.eval_device = driver_cuda_device(gpu)
         num_workers = self.num_workers = self.placement.num_workers
         self.max_restarts = int(conf_value(cfg, "max_restarts", 3))
@@ -151,7 +155,7 @@ class RayEngine(Engine):
             data.hold_block(i, ray.get(blocks[-1]))
         setup_ref = ray.put(Packed(dataclasses.replace(self.setup, dataset=data.without_training_features())))
         data.hold_copy(ray.get(setup_ref).dataset)
-        self.pool = ActorPool(self.placement, setup_ref, self._options, self.start_timeout_s, blocks)
+        self.pool = ActorPool(self.placement, setup_ref, self._options, self.start_timeout_s, blocks, self.group)
         self.pool.ping_all()
         self.stateful = bool(ray.get(self.pool[0].is_stateful.remote()))
         self.state_nbytes = int(ray.get(self.pool[0].state_nbytes.remote())) if self.stateful else 0
@@ -179,8 +183,16 @@ class RayEngine(Engine):
             fault_client=self.fault_client,
             fault_round=self.fault_round,
             slow_factor=self.slow_factor if worker_id == self.slow_worker else 1.0,
-            device_share=self.placement.gpus_per_worker if self.placement.uses_gpu else 1.0 / self.num_workers,
+            device_share=self.group.share(worker_id) if self.group is not None else 1.0 / self.num_workers,
         )
+
+    def describe_workers(self) -> list[dict[str, Any]]:
+        rows = []
+        for w, info in enumerate(self.pool.infos):
+            rows.append({"worker": w, "node": f"{info['node_id'][:12]} ({info['host']})", "device": info["device"],
+                         "gpu_ids": info["gpu_ids"], "gpu_share": self.group.share(w) if self.group else 0.0,
+                         "torch": info["torch"], "cuda": info["cuda"]})
+        return rows
 
     @property
     def restarts(self) -> int:
@@ -262,12 +274,14 @@ class RayEngine(Engine):
         inbound = received_bytes()
         partials: list[Any] = [None] * self.num_workers  # with the tree: references to the partial aggregates
         todo = list(range(self.num_workers))
+        arrived = [0.0] * self.num_workers  # seconds from submitting a worker's call to its result here
         for attempt in range(self.max_restarts + 1):
+            t_submit = time.perf_counter()
             refs = self._submit(ctx, broadcast, bc_ref, plan.assignment, expect, lending, todo, partials)
             # Submitted now, the tree's steps run as soon as their two partials exist: most of the
             # reduction overlaps with the slowest workers' training.
             root = self._reduction_tree(partials) if self.tree else None
-            failed = self._collect(refs, results)
+            failed = self._collect(refs, results, arrived, t_submit)
             t_reduce = time.perf_counter()
             if not failed and root is not None:
                 total = self._fetch_root(root)
@@ -292,6 +306,8 @@ class RayEngine(Engine):
         self._stats["sched_reduce_s"] = t_commit - t_reduce
         self._stats["sched_commit_s"] = time.perf_counter() - t_commit  # staged states applied, manifest
         self._stats["sched_driver_in_bytes"] = received_bytes() - inbound  # tensors the driver received
+        # Transport: a call's time here beyond the worker's own (messages, object store, Ray's scheduling).
+        self._stats["worker_transport_s"] = [max(arrived[r.worker_id] - r.busy_seconds, 0.0) for r in done]
         return done
 
     def _reduction_tree(self, partials: list[Any]) -> Any:
@@ -337,15 +353,21 @@ class RayEngine(Engine):
                 refs[w] = self.pool[w].run_round_parts.remote(call, *shared)
         return refs
 
-    def _collect(self, refs: dict[int, Any], results: list) -> set[int]:
-        """The results into ``results``; returns the ids of workers whose actor (or a home it needed) died."""
+    def _collect(self, refs: dict[int, Any], results: list, arrived: list[float], t_submit: float) -> set[int]:
+        """The results into ``results`` as they arrive (``arrived[w]``: seconds since ``t_submit``);
+        returns the ids of workers whose actor (or a home it needed) died."""
         failed: set[int] = set()
-        for w, ref in refs.items():
-            try:
-                results[w] = self._ray.get(ref)
-            except Exception as err:  # sorted out by _dead_or_raise
-                self._dead_or_raise(err)
-                failed.add(w)
+        pending = {ref: w for w, ref in refs.items()}
+        while pending:
+            ready, _ = self._ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                w = pending.pop(ref)
+                arrived[w] = time.perf_counter() - t_submit
+                try:
+                    results[w] = self._ray.get(ref)
+                except Exception as err:  # sorted out by _dead_or_raise
+                    self._dead_or_raise(err)
+                    failed.add(w)
         return failed
 
     def _finish_round(self, ctx: RoundContext, lending: Lending | None) -> None:
@@ -482,5 +504,7 @@ class RayEngine(Engine):
             self.pool.close()
         if self._eval_slot is not None:
             self._ray.kill(self._eval_slot)
+        if self.group is not None:
+            self.group.close()
         if self._owns_ray:
             self._ray.shutdown()

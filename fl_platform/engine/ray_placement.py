@@ -1,14 +1,25 @@
-"""How many Ray workers a run gets and what each one reserves (CPUs, GPUs).
+"""How many Ray workers a run gets, what each one reserves (CPUs, GPUs), and on which GPU it lands.
 
-Decided once at start-up from ``engine.*`` and what the Ray cluster offers. A request the cluster
-cannot satisfy is refused here, naming the numbers, instead of leaving actors pending forever.
+Decided once at start-up from ``engine.*`` and what the Ray cluster offers. GPU workers are placed
+through a placement group with one bundle per GPU (``GpuGroup``): W workers on G GPUs are dealt
+round-robin over min(W, G) bundles, so every GPU hosts floor(W/G) or ceil(W/G) workers and none
+hosts two while another has none, on one node or many. (Fractional shares without bundles do not
+give this: Ray's allocator fills one GPU before it opens the next, so 10 workers at 1/2 used 5 of 8
+GPUs.) A request the cluster cannot satisfy is refused here, naming the numbers, instead of leaving
+actors pending forever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
+
+#: The GPU share the driver's evaluation (engine.eval_device=cuda) holds in the bundle of a GPU on its
+#: node; that GPU's workers share the rest. Evaluation runs between rounds, when the workers wait, so
+#: it needs memory, not a worker's share of the GPU's time.
+EVAL_SHARE = 0.1
 
 
 def conf_value(cfg: Any, key: str, default: Any = None) -> Any:
@@ -19,73 +30,162 @@ def conf_value(cfg: Any, key: str, default: Any = None) -> Any:
 
 @dataclass(frozen=True)
 class Placement:
+    """The plan: W workers of ``cpus_per_worker`` CPUs; on GPUs, ``bundles`` GPU bundles of
+    ``bundle_gpus`` whole GPUs each, worker w in bundle ``w % bundles``."""
+
     num_workers: int
     cpus_per_worker: float
-    gpus_per_worker: float  # 0: the workers train on CPU
-    eval_gpus: float = 0.0  # a GPU share held for the driver's evaluation (engine.eval_device=cuda)
+    gpus_per_worker: float  # 0: the workers train on CPU; else the explicit share, or 0 for "even" (1/occupants)
+    eval_gpus: float = 0.0  # the GPU share held for the driver's evaluation (engine.eval_device=cuda)
+    bundles: int = 0  # GPU bundles (0: CPU workers, placed by Ray's SPREAD)
+    bundle_gpus: int = 1  # whole GPUs per bundle (> 1: engine.gpus_per_worker > 1, one worker per bundle)
+    uses_gpu: bool = False
 
-    @property
-    def uses_gpu(self) -> bool:
-        return self.gpus_per_worker > 0
+    def bundle_of(self, worker_id: int) -> int:
+        return worker_id % self.bundles
+
+    def occupants(self, bundle: int) -> int:
+        """Workers in ``bundle``."""
+        return self.num_workers // self.bundles + (1 if bundle < self.num_workers % self.bundles else 0)
+
+    def share(self, worker_id: int, eval_bundle: int | None = None) -> float:
+        """Worker ``worker_id``'s GPU share (0 on CPU): the explicit share, else an even split of its
+        bundle's GPUs (less the evaluation's share when the driver evaluates on that GPU)."""
+        if not self.uses_gpu:
+            return 0.0
+        if self.gpus_per_worker:
+            return self.gpus_per_worker
+        b = self.bundle_of(worker_id)
+        free = self.bundle_gpus - (self.eval_gpus if b == eval_bundle else 0.0)
+        return free / self.occupants(b)
+
+    def bundle_specs(self) -> list[dict[str, float]]:
+        return [{"GPU": float(self.bundle_gpus), "CPU": self.cpus_per_worker * self.occupants(b)}
+                for b in range(self.bundles)]
 
 
-def gpu_share(slots: int, gpus: float) -> float:
-    """The GPU fraction per slot when ``slots`` share ``gpus`` whole GPUs: 1 / ceil(slots / gpus), at most 1.
-
-    A fractional share must fit on one GPU, so G / W (what an even split would give) leaves
-    actors pending forever whenever W is not a multiple of G: 3 workers on 2 GPUs at 2/3 each fit
-    one per GPU, and the third waits. 1 / ceil(W / G) packs ceil(W / G) workers per GPU instead.
-    """
-    return min(1.0, 1.0 / math.ceil(slots / gpus)) if gpus >= 1 else 0.0
+def whole_gpus(nodes: list[dict[str, Any]]) -> list[int]:
+    """Whole GPUs per alive node (a bundle holds whole GPUs of one node)."""
+    return [math.floor(n["Resources"].get("GPU", 0.0) + 1e-9) for n in nodes if n.get("Alive")]
 
 
-def fits(num_workers: int, share: float, gpus: float) -> bool:
-    """Whether ``num_workers`` shares of ``share`` GPU each can be placed on ``gpus`` whole GPUs."""
-    if share <= 0:
-        return True
-    if share > 1:  # whole GPUs per worker
-        return share == int(share) and num_workers * share <= gpus + 1e-9
-    return num_workers <= math.floor(1.0 / share + 1e-9) * math.floor(gpus + 1e-9)
-
-
-def plan_placement(cfg: Any, device: str, resources: dict[str, float], eval_on_gpu: bool = False) -> Placement:
-    """Workers and per-worker resources for ``engine`` config ``cfg`` on a cluster with ``resources``;
-    ``eval_on_gpu``: the driver evaluates on a GPU, so one more share is held for it."""
+def plan_placement(cfg: Any, device: str, resources: dict[str, float], eval_on_gpu: bool = False,
+                   node_gpus: list[int] | None = None) -> Placement:
+    """Workers and per-worker resources for ``engine`` config ``cfg`` on a cluster with ``resources``
+    (``node_gpus``: whole GPUs per node; default: all of ``resources['GPU']`` on one node);
+    ``eval_on_gpu``: the driver evaluates on a GPU, so a share is held for it."""
     cpus_per_worker = float(conf_value(cfg, "cpus_per_worker", 1.0))
     total_cpus = float(resources.get("CPU", 0.0))
     total_gpus = float(resources.get("GPU", 0.0))
+    node_gpus = node_gpus if node_gpus is not None else [math.floor(total_gpus + 1e-9)]
+    gpus = sum(node_gpus)  # whole GPUs
     use_gpu = device != "cpu" and total_gpus > 0
     if device.startswith("cuda") and total_gpus == 0:
         raise RuntimeError(f"engine.device={device!r} but the Ray cluster has no GPUs")
     if eval_on_gpu and total_gpus == 0:
         raise RuntimeError("engine.eval_device asks for a GPU but the Ray cluster has no GPUs")
+    if use_gpu and gpus == 0:
+        raise ValueError(f"the Ray cluster declares {total_gpus:g} GPUs but no node has a whole one; workers are "
+                         f"placed one GPU bundle per GPU. Declare whole GPUs, or engine.device=cpu")
     num_workers = conf_value(cfg, "num_workers")
     if num_workers is None:
-        num_workers = int(total_gpus) if use_gpu else int(total_cpus // max(cpus_per_worker, 1e-9))
+        num_workers = gpus if use_gpu else int(total_cpus // max(cpus_per_worker, 1e-9))
     num_workers = int(num_workers)
     if num_workers < 1:
         raise ValueError(f"engine.num_workers must be >= 1, got {num_workers} "
                          f"(Ray sees {total_cpus:g} CPUs and {total_gpus:g} GPUs)")
-    slots = num_workers + (1 if eval_on_gpu else 0)
-    gpus = 0.0
-    if not use_gpu and conf_value(cfg, "gpus_per_worker") is not None:
-        raise ValueError(f"engine.gpus_per_worker={conf_value(cfg, 'gpus_per_worker')} has no effect: the workers "
+    explicit = conf_value(cfg, "gpus_per_worker")
+    if not use_gpu and explicit is not None:
+        raise ValueError(f"engine.gpus_per_worker={explicit} has no effect: the workers "
                          f"train on CPU ({'engine.device=cpu' if device == 'cpu' else 'the Ray cluster has no GPUs'})")
-    if use_gpu:
-        gpus = conf_value(cfg, "gpus_per_worker")
-        gpus = gpu_share(slots, total_gpus) if gpus is None else float(gpus)
-    # The driver's evaluation holds a worker's share, or a whole GPU when the workers train on CPUs.
-    eval_gpus = (gpus if use_gpu else min(1.0, total_gpus)) if eval_on_gpu else 0.0
     if num_workers * cpus_per_worker > total_cpus + 1e-9:
         raise ValueError(
             f"engine.num_workers={num_workers} x engine.cpus_per_worker={cpus_per_worker:g} needs more than the "
             f"{total_cpus:g} CPUs of the Ray cluster; the actors would wait forever. Lower num_workers or "
             f"cpus_per_worker.")
-    placeable = fits(slots, gpus, total_gpus) if use_gpu else fits(1, eval_gpus, total_gpus)
-    if not placeable:
-        held = " and one for the driver's evaluation (engine.eval_device)" if eval_on_gpu else ""
+    if not use_gpu:  # the driver's evaluation (if on a GPU) holds a whole one, outside any worker's
+        return Placement(num_workers, cpus_per_worker, 0.0, min(1.0, total_gpus) if eval_on_gpu else 0.0)
+    share = 0.0 if explicit is None else float(explicit)
+    eval_gpus = EVAL_SHARE if eval_on_gpu else 0.0
+    if share >= 1:  # whole GPUs per worker: one bundle each
+        if eval_on_gpu:
+            raise ValueError(f"engine.eval_device=cuda with engine.gpus_per_worker={share:g}: every GPU is a worker's "
+                             f"whole; leave engine.gpus_per_worker unset (the evaluation then takes {EVAL_SHARE:g} of "
+                             f"a GPU on the driver's node), or use engine.eval_device=cpu")
+        if share != int(share) or sum(n // int(share) for n in node_gpus) < num_workers:
+            raise ValueError(
+                f"{num_workers} workers at engine.gpus_per_worker={share:g} GPUs each cannot be placed on the "
+                f"cluster's {gpus} whole GPUs (per node: {node_gpus}; more than one GPU per worker must be a whole "
+                f"number on one node); leave engine.gpus_per_worker unset for an even split, or lower "
+                f"engine.num_workers.")
+        return Placement(num_workers, cpus_per_worker, share, bundles=num_workers, bundle_gpus=int(share), uses_gpu=True)
+    bundles = min(num_workers, gpus)
+    crowd = math.ceil(num_workers / bundles)
+    if share > 0 and crowd * share + (eval_gpus if eval_on_gpu else 0.0) > 1 + 1e-9:
+        held = f" and {eval_gpus:g} for the driver's evaluation (engine.eval_device)" if eval_on_gpu else ""
         raise ValueError(
-            f"{num_workers} workers{held} at {gpus:g} GPU each cannot be placed on the cluster's {total_gpus:g} "
-            f"GPUs (a fractional share must fit on one GPU); leave engine.gpus_per_worker unset for 1/ceil(W/G), "
-            f"or lower engine.num_workers.")
-    return Placement(num_workers, cpus_per_worker, gpus, eval_gpus)
+            f"{num_workers} workers at {share:g} GPU each cannot be placed on the cluster's {gpus} GPUs: spread "
+            f"evenly, {crowd} share one GPU{held}, more than one GPU (a fractional share must fit on one GPU); "
+            f"leave engine.gpus_per_worker unset for an even split (1/ceil(W/G)), or lower engine.num_workers.")
+    return Placement(num_workers, cpus_per_worker, share, eval_gpus, bundles=bundles, uses_gpu=True)
+
+
+class GpuGroup:
+    """The placement group of a GPU placement: one bundle per GPU (or per worker with whole GPUs),
+    spread over the nodes; ``actor_options`` pins each worker (and the driver's evaluation slot) to
+    its bundle. Created and waited for at once, so a cluster without room fails at start-up."""
+
+    def __init__(self, placement: Placement, timeout: float, driver_node: str | None = None) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+        self._ray = ray
+        self.placement = placement
+        specs = placement.bundle_specs()
+        self.pg = placement_group(specs, strategy="SPREAD")
+        try:
+            ray.get(self.pg.ready(), timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            nodes = [f"{n['NodeID'][:12]}: {n['Resources'].get('CPU', 0):g} CPUs, {n['Resources'].get('GPU', 0):g} GPUs"
+                     for n in ray.nodes() if n.get("Alive")]
+            asks = sorted({(s["CPU"], s["GPU"]) for s in specs})
+            raise RuntimeError(
+                f"the {len(specs)} GPU bundles of {placement.num_workers} Ray workers did not start within "
+                f"{timeout:g} s (engine.start_timeout_s): each asks for "
+                f"{' or '.join(f'{c:g} CPUs and {g:g} GPUs on one node' for c, g in asks)}; nodes: "
+                f"{'; '.join(nodes)}. Lower engine.num_workers or engine.cpus_per_worker, or add nodes") from None
+        self.nodes: dict[int, str] = {int(b): n for b, n in placement_group_table(self.pg)["bundles_to_node_id"].items()}
+        self.eval_bundle: int | None = None
+        if placement.eval_gpus:
+            mine = [b for b, n in self.nodes.items() if n == driver_node]
+            if not mine:
+                self.close()
+                raise RuntimeError(f"engine.eval_device=cuda: the driver's node {str(driver_node)[:12]} hosts none of "
+                                   f"the workers' GPUs, so the driver has no GPU to evaluate on; use "
+                                   f"engine.eval_device=cpu, or run the driver on a GPU node")
+            self.eval_bundle = min(mine, key=lambda b: (placement.occupants(b), b))
+
+    def share(self, worker_id: int) -> float:
+        return self.placement.share(worker_id, self.eval_bundle)
+
+    def actor_options(self, worker_id: int) -> dict[str, Any]:
+        """Ray options that put worker ``worker_id`` into its GPU's bundle with its share."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {"num_cpus": self.placement.cpus_per_worker, "num_gpus": self.share(worker_id),
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=self.placement.bundle_of(worker_id))}
+
+    def eval_options(self) -> dict[str, Any]:
+        """Ray options of the driver's evaluation slot: its share in a bundle on the driver's node."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {"num_cpus": 0, "num_gpus": self.placement.eval_gpus, "scheduling_strategy":
+                PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self.eval_bundle)}
+
+    def close(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        with contextlib.suppress(Exception):  # the cluster may be gone already: nothing is left to free then
+            remove_placement_group(self.pg)

@@ -232,3 +232,39 @@ def check_slow_worker(slow_worker: int | None, num_workers: int) -> None:
     if slow_worker is not None and not 0 <= slow_worker < num_workers:
         raise ValueError(f"engine.fault_injection.slow_worker={slow_worker} names no worker: the run has "
                          f"{num_workers} (ids 0..{num_workers - 1})")
+
+
+#: Below this predicted busy fraction a run warns at start-up that its rounds cannot keep every worker busy.
+BUSY_WARN = 0.85
+
+
+def predicted_busy_frac(client_sets: Sequence[Sequence[int]], sizes: Sequence[int] | Any, train: TrainConfig,
+                        num_workers: int) -> float:
+    """The busy fraction the LPT plan allows at best, averaged over ``client_sets`` (rounds' samples):
+    sum of work / (W x the most loaded worker's work), with equal worker speeds and no overhead. A
+    client is the smallest unit of work, so few or uneven clients per worker leave workers waiting."""
+    fracs = []
+    for clients in client_sets:
+        work = [work_units(int(sizes[c]), train) for c in clients]
+        if not work or sum(work) == 0:
+            continue
+        _, loads = lpt_assign(list(clients), work, [1.0] * num_workers)
+        fracs.append(sum(loads) / (num_workers * max(loads)))
+    return sum(fracs) / len(fracs) if fracs else 1.0
+
+
+def balance_warning(client_sets: Sequence[Sequence[int]], sizes: Sequence[int] | Any, train: TrainConfig,
+                    num_workers: int) -> str | None:
+    """A warning when the rounds' clients are too few (or too uneven) for ``num_workers`` workers to stay
+    busy (``predicted_busy_frac`` below ``BUSY_WARN``), with the prediction and the remedies; else None."""
+    if num_workers < 2 or not client_sets:
+        return None
+    frac = predicted_busy_frac(client_sets, sizes, train, num_workers)
+    if frac >= BUSY_WARN:
+        return None
+    per_worker = sum(len(c) for c in client_sets) / len(client_sets) / num_workers
+    return (f"{per_worker:.1f} clients per round per worker: even the scheduler's best (LPT) plan keeps the "
+            f"{num_workers} workers busy only {frac:.0%} of the training time (predicted from the sizes of the first "
+            f"{len(client_sets)} rounds' clients, equal worker speeds; worker_busy_frac in metrics.jsonl measures it). "
+            f"Sample more clients per round (clients_per_round), use fewer workers (engine.num_workers), or train "
+            f"several clients at once (engine.cohort_size); docs/engine.md, Busy time")

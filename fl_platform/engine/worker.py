@@ -30,6 +30,7 @@ from fl_platform.algorithms.registry import get_algorithm
 from fl_platform.compression.uplink import make_uplink
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
 from fl_platform.engine.scheduler import work_units
+from fl_platform.engine.timing import DeviceClock
 from fl_platform.privacy.setup import make_client_privacy
 from fl_platform.rounds.engine import WorkerResult
 from fl_platform.rounds.setup import ExperimentSetup, resolve_device
@@ -98,6 +99,7 @@ class Worker:
         self._expect: dict[int, int] | None = None  # the manifest's rounds for this round's clients
         # engine.cohort_size > 1 or auto: clients train in vectorised chunks (docs/vectorised.md).
         self.cohort = CohortTrainer(self.fm, setup.train) if setup.cohort_size != 1 else None
+        self._clock: DeviceClock | None = None  # this round's, while it runs
         self._pending: Iterator[tuple[int, ClientUpdate | NonFiniteError]] | None = None
         self._summed = False  # the pending chunk's contributions are in the aggregate already
         self._chunk_end = 0
@@ -132,26 +134,44 @@ class Worker:
         missing or stale state an error; None skips the check (in-process use)."""
         start = time.perf_counter()
         self._expect = expect
+        clock = self._clock = DeviceClock(self.device)  # training and state I/O (worker_train_s, worker_state_io_s)
         if self.stateful:
             if self.options.drop_cache_each_round:
                 self.store.invalidate()
             lent: dict[int, State | None] = {}
             for part in foreign:
                 lent.update(part)
-            self.store.begin_round(lent)
+            with clock.span("state_io"):
+                self.store.begin_round(lent)
         bc = broadcast.to(self.device)
         acc = _Round()
         for i, cid in enumerate(client_ids):
             self._inject_fault(ctx, cid)
-            t0 = time.perf_counter()
-            chunk_seconds = self._train_chunk(ctx, bc, client_ids, i, acc.aggregate)
-            update = self._train_client(ctx, bc, cid, acc)
-            if update is not None:
-                self._fold(update, acc)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            seconds = time.perf_counter() - t0 - chunk_seconds + self._shares.get(cid, 0.0)
-            acc.seconds[cid] = seconds + self._slow_down(seconds)
+            with clock.span("train"):  # (less the state I/O inside it, below)
+                t0 = time.perf_counter()
+                chunk_seconds = self._train_chunk(ctx, bc, client_ids, i, acc.aggregate)
+                update = self._train_client(ctx, bc, cid, acc)
+                if update is not None:
+                    self._fold(update, acc)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                seconds = time.perf_counter() - t0 - chunk_seconds + self._shares.get(cid, 0.0)
+                acc.seconds[cid] = seconds + self._slow_down(seconds)
+        outbox: dict[int, State] = {}
+        with clock.span("state_io"):
+            outbox = self._stage_states(ctx, acc)
+        spent = clock.totals()
+        self._clock = None
+        timings = {"state_io_s": spent.get("state_io", 0.0),
+                   "train_s": max(spent.get("train", 0.0) - spent.get("state_io_in_train", 0.0), 0.0)}
+        timings["state_io_s"] += spent.get("state_io_in_train", 0.0)
+        return WorkerResult(self.worker_id, acc.aggregate.to("cpu"), acc.updates, acc.metrics, acc.seconds,
+                            time.perf_counter() - start, acc.bytes_up, broadcast.nbytes() * len(client_ids),
+                            acc.rejected, outbox, acc.client_stats, states_written=sorted(acc.staged),
+                            timings=timings)
+
+    def _stage_states(self, ctx: RoundContext, acc: _Round) -> dict[int, State]:
+        """Write (or stage) the round's new states; returns the lent clients' states for their homes."""
         outbox: dict[int, State] = {}
         if self.stateful:
             # Written only now that the whole round succeeded (see the module docstring). In a
@@ -164,9 +184,7 @@ class Worker:
                 for cid, state in staged.items():
                     self.store.put(cid, state)
             outbox = self.store.end_round()
-        return WorkerResult(self.worker_id, acc.aggregate.to("cpu"), acc.updates, acc.metrics, acc.seconds,
-                            time.perf_counter() - start, acc.bytes_up, broadcast.nbytes() * len(client_ids),
-                            acc.rejected, outbox, acc.client_stats, states_written=sorted(acc.staged))
+        return outbox
 
     def commit_round(self, round: int) -> int:
         """Apply the states staged by ``run_round`` for ``round`` (idempotent; durable rounds only)."""
@@ -207,6 +225,12 @@ class Worker:
         manifest when the engine sent one."""
         if not self.stateful:
             return None
+        if self._clock is None:
+            return self._read_state(cid)
+        with self._clock.span("state_io_in_train"):
+            return self._read_state(cid)
+
+    def _read_state(self, cid: int) -> State | None:
         state = checked(cid, self.store.get(cid), self._expect, self.where(cid))
         if state is None or self.device.type == "cpu":
             return state
@@ -377,6 +401,13 @@ class Worker:
 
     def name(self) -> str:
         return f"worker {self.worker_id}"
+
+    def describe(self) -> dict[str, Any]:
+        """Where this worker trains: its host, device and torch build (the start-up table, run.json)."""
+        import socket
+
+        return {"worker": self.worker_id, "host": socket.gethostname(), "device": str(self.device),
+                "torch": torch.__version__, "cuda": torch.version.cuda}
 
     def where(self, client_id: int | None = None) -> str:
         """Where ``client_id``'s state is kept (its home, when that is another worker), for error messages."""

@@ -37,7 +37,7 @@ from fl_platform.datasets.federated import FederatedDataset
 from fl_platform.outputs import MetricsLog
 from fl_platform.reporting import Reporter
 from fl_platform.rounds.checkpoint import Checkpoint, Checkpointer, set_rng_state
-from fl_platform.rounds.engine import Engine, StateLost
+from fl_platform.rounds.engine import Engine, StateLost, busy_columns
 from fl_platform.rounds.sampling import sample_clients
 from fl_platform.training.flat import FlatModel
 
@@ -51,7 +51,7 @@ PRIVACY_STATE = "_privacy"
 
 def is_timing_key(key: str) -> bool:
     """Fields that measure time or scheduling rather than results (excluded when comparing runs)."""
-    return key.endswith("_s") or key.startswith("sched_")
+    return key.endswith("_s") or key.startswith(("sched_", "worker_"))
 
 
 @dataclass
@@ -138,6 +138,9 @@ class Simulation:
             t1 = time.perf_counter()
             row.update(self.evaluate())
             row["eval_time_s"] = time.perf_counter() - t1
+        if any(res.timings for res in results):  # how busy the workers were, evaluation included (it keeps them waiting)
+            row.update(busy_columns(results, self.engine.num_workers, round_seconds, time.perf_counter() - t0,
+                                    row.get("worker_transport_s")))
         return row
 
     def run(self) -> dict[str, Any]:
