@@ -60,7 +60,7 @@ class BAOWConf(ServerStepConf):
     bcrs_reweight: str = "none"  # none: p_k ~ n_k | ratio: p_k ~ n_k rho_k
 
     def inactive_fields(self, run: Any) -> dict[str, str]:
-        out: dict[str, str] = {}
+        out = super().inactive_fields(run)
         if self.aggregation == "plain":
             out["gamma_max"] = "it caps OPWA's amplification, and aggregation=plain"
         system = run.get("system")
@@ -162,6 +162,8 @@ class BAOWClient(ClientAlgorithm):
 
 
 class BAOWServer(ServerAlgorithm):
+    pseudo_gradient = True
+
     def __init__(self, cfg: BAOWConf, setup, initial_weights: torch.Tensor) -> None:
         super().__init__(cfg, setup, initial_weights)
         _check(cfg)
@@ -193,7 +195,7 @@ class BAOWServer(ServerAlgorithm):
                                 torch.zeros_like(num))
         else:
             delta = num / total
-        self.weights += delta.to(torch.float32) * self.cfg.server_lr
+        self.apply_update(delta.to(torch.float32))
         p = self.setup.num_params
         ratios = [r for c, r in self._ratios.items() if c in ctx.clients]
         out: dict[str, float] = {}

@@ -48,6 +48,13 @@ class ServerStepConf(AlgorithmConf):
 
     server_lr: float = 1.0
 
+    def inactive_fields(self, run: Any) -> dict[str, str]:
+        """``server_lr`` is the server step's own rate: an adaptive ``server_opt`` steps by ``server_opt.lr``."""
+        opt = run.get("server_opt") if hasattr(run, "get") else None
+        if opt is not None and opt.name != "none":
+            return {"server_lr": f"server_opt={opt.name} replaces the server step (its rate is server_opt.lr)"}
+        return {}
+
 
 @dataclass(frozen=True)
 class StateSpec:
@@ -70,6 +77,8 @@ class Setup:
     seed: int
     train: TrainConfig
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The ``server_opt`` section (algorithms/server_opt.py): an adaptive step on the pseudo-gradient, or None.
+    server_opt: Any = None
 
     @property
     def vector_size(self) -> int:
@@ -273,14 +282,31 @@ class FedAvgCohort:
 
 
 class ServerAlgorithm:
-    """Server half. ``summable`` says whether contributions may be summed before the server sees them."""
+    """Server half. ``summable`` says whether contributions may be summed before the server sees them.
+
+    ``weights`` is the flat ``[parameters | float buffers]`` vector. A server half that moves the model
+    by a mean client update calls ``apply_update``: the buffers (BatchNorm's running statistics) take
+    the clients' mean, and only the parameters take the server step (``server_step``, or the run's
+    adaptive ``server_opt``), so no server step can scale a running variance below zero. Such a half
+    declares ``pseudo_gradient = True``, which is what lets ``server_opt`` apply to it.
+    """
 
     summable: ClassVar[bool] = True
+    #: Whether ``aggregate`` moves the model by ``apply_update(mean update)`` (a server optimiser may act).
+    pseudo_gradient: ClassVar[bool] = False
 
     def __init__(self, cfg: AlgorithmConf, setup: Setup, initial_weights: torch.Tensor) -> None:
+        from fl_platform.algorithms.server_opt import ServerOptimizer, active
+
         self.cfg = cfg
         self.setup = setup
         self.weights = initial_weights.detach().to("cpu", torch.float32).clone()
+        self.server_opt: ServerOptimizer | None = None
+        if active(setup.server_opt):
+            if not self.pseudo_gradient:
+                raise ValueError(f"server_opt={setup.server_opt.name}: {type(self).__name__} takes no pseudo-gradient "
+                                 "(pseudo_gradient = False); use server_opt=none")
+            self.server_opt = ServerOptimizer(setup.server_opt, setup.num_params)
 
     def broadcast(self, ctx: RoundContext) -> Broadcast:
         return Broadcast({"weights": self.weights})
@@ -305,14 +331,34 @@ class ServerAlgorithm:
         total = agg.weights.get(weight, 0.0)
         if total <= 0 or name not in agg.tensors:
             return
-        self.weights += (agg.tensors[name] / total).to(torch.float32) * self.cfg.server_lr
+        self.apply_update((agg.tensors[name] / total).to(torch.float32))
+
+    def apply_update(self, delta: torch.Tensor) -> None:
+        """Move the model by the mean client update ``delta`` (over ``[parameters | buffers]``): the
+        buffers by ``delta`` itself (the clients' mean statistics), the parameters by the server step
+        (``server_opt`` when the run sets one, else ``server_step``)."""
+        p = self.setup.num_params
+        self.weights[p:] += delta[p:]
+        grad = delta[:p]
+        self.weights[:p] += self.server_opt.step(grad) if self.server_opt is not None else self.server_step(grad)
+
+    def server_step(self, grad: torch.Tensor) -> torch.Tensor:
+        """The parameters' change for the pseudo-gradient ``grad`` (the mean update of the parameters)."""
+        return grad * self.cfg.server_lr
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume the server half exactly."""
-        return {"weights": self.weights.clone()}
+        state: dict[str, Any] = {"weights": self.weights.clone()}
+        if self.server_opt is not None:
+            state["server_opt"] = self.server_opt.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.weights = state["weights"].clone()
+        if self.server_opt is not None:
+            if "server_opt" not in state:
+                raise ValueError("the checkpoint was made without server_opt; this run sets one")
+            self.server_opt.load_state_dict(state["server_opt"])
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """FedAvg (McMahan et al. 2017): local SGD from the global model, sample-weighted average of deltas.
 
 The server step is w <- w + server_lr * (sum_k n_k delta_k / sum_k n_k), with optional server
-momentum (FedAvgM) when ``server_momentum`` > 0.
+momentum (FedAvgM) when ``server_momentum`` > 0, on the parameters; float buffers (BatchNorm's running
+statistics) take the clients' mean (``ServerAlgorithm.apply_update``).
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ class FedAvgConf(ServerStepConf):
     server_momentum: float = 0.0
 
     def inactive_fields(self, run: Any) -> dict[str, str]:
-        if run.rounds == 1:
-            return {"server_momentum": "the velocity first differs from the update in round 2, and rounds=1"}
-        return {}
+        out = super().inactive_fields(run)
+        if "server_lr" in out:
+            out["server_momentum"] = out["server_lr"]
+        elif run.rounds == 1:
+            out["server_momentum"] = "the velocity first differs from the update in round 2, and rounds=1"
+        return out
 
 
 class FedAvgClient(ClientAlgorithm):
@@ -31,22 +35,25 @@ class FedAvgClient(ClientAlgorithm):
 
 
 class FedAvgServer(ServerAlgorithm):
+    pseudo_gradient = True
+
     def __init__(self, cfg: FedAvgConf, setup, initial_weights: torch.Tensor) -> None:
         super().__init__(cfg, setup, initial_weights)
         self.velocity: torch.Tensor | None = None
 
     def aggregate(self, ctx: RoundContext, result: Aggregate | list[ClientUpdate]) -> dict[str, float]:
         assert isinstance(result, Aggregate)
-        total = result.weights.get("n", 0.0)
-        if total <= 0:
-            return {}
-        delta = (result.tensors["delta"] / total).to(torch.float32)
+        self.apply_mean_delta(result, "delta", "n")
+        return {}
+
+    def server_step(self, grad: torch.Tensor) -> torch.Tensor:
+        """server_lr times the update, or its velocity with server momentum (parameters only: the
+        buffers take the clients' mean, ``apply_update``)."""
         momentum = getattr(self.cfg, "server_momentum", 0.0)
         if momentum:
-            self.velocity = delta if self.velocity is None else self.velocity.mul_(momentum).add_(delta)
-            delta = self.velocity
-        self.weights += delta * self.cfg.server_lr
-        return {}
+            self.velocity = grad.clone() if self.velocity is None else self.velocity.mul_(momentum).add_(grad)
+            grad = self.velocity
+        return grad * self.cfg.server_lr
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

@@ -27,6 +27,8 @@ BUILTIN: dict[str, str] = {
     "fedavg": "fl_platform.algorithms.fedavg:SPEC",
     "fedprox": "fl_platform.algorithms.fedprox:SPEC",
     "scaffold": "fl_platform.algorithms.scaffold:SPEC",
+    "feddyn": "fl_platform.algorithms.feddyn:SPEC",
+    "moon": "fl_platform.algorithms.moon:SPEC",
     "fednova": "fl_platform.algorithms.fednova:SPEC",
     "fedimpro": "fl_platform.algorithms.fedimpro:SPEC",
     "vhl": "fl_platform.algorithms.vhl:SPEC",

@@ -34,10 +34,11 @@ class ScaffoldConf(ServerStepConf):
     weighting: str = "samples"  # "samples" (n_k-weighted model delta) or "uniform" (as in the paper)
 
     def inactive_fields(self, run: Any) -> dict[str, str]:
+        out = super().inactive_fields(run)
         privacy = run.get("privacy")
         if privacy is not None and privacy.name != "none":
-            return {"weighting": f"under privacy={privacy.name} every client's clipped update counts once"}
-        return {}
+            out["weighting"] = f"under privacy={privacy.name} every client's clipped update counts once"
+        return out
 
 
 class ScaffoldClient(ClientAlgorithm):
@@ -80,6 +81,8 @@ class ScaffoldClient(ClientAlgorithm):
 
 
 class ScaffoldServer(ServerAlgorithm):
+    pseudo_gradient = True  # the model part (server_opt acts on it; c moves as in the paper)
+
     def __init__(self, cfg: ScaffoldConf, setup, initial_weights: torch.Tensor) -> None:
         super().__init__(cfg, setup, initial_weights)
         if cfg.weighting not in ("samples", "uniform"):

@@ -17,6 +17,7 @@ from omegaconf import MISSING
 
 from fl_platform.algorithms.base import AlgorithmConf, AlgorithmSpec
 from fl_platform.algorithms.registry import BUILTIN, PLUGIN, algorithm_names, get_algorithm
+from fl_platform.algorithms.server_opt import ServerOptConf, server_opt_schemas
 from fl_platform.compression.registry import CompressorConf, compressor_schemas
 from fl_platform.datasets.augment import AugmentConf
 from fl_platform.privacy.config import PrivacyConf, privacy_schemas
@@ -339,6 +340,7 @@ class Config:
     compressor: CompressorConf = MISSING  # uplink compression (fl_platform/compression, docs/compression.md)
     system: SystemConf = MISSING  # client speeds and bandwidths for simulated time (fl_platform/system)
     privacy: PrivacyConf = MISSING  # client-level differential privacy (fl_platform/privacy, docs/privacy.md)
+    server_opt: ServerOptConf = MISSING  # adaptive server optimisers (algorithms/server_opt.py, FedAdam/Yogi/Adagrad)
     engine: EngineConf = field(default_factory=EngineConf)
     logger: LoggerConf = field(default_factory=LoggerConf)
 
@@ -353,6 +355,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "compressor": compressor_schemas(),
     "system": system_schemas(),
     "privacy": privacy_schemas(),
+    "server_opt": server_opt_schemas(),
 }
 
 #: Options whose section also holds the user's own arguments (``+model.width=64``), checked against the

@@ -104,7 +104,7 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
         strategy.connect(grid)
         loop = LoopConfig(seed=cfg.seed, rounds=cfg.rounds, clients_per_round=cfg.clients_per_round,
                           eval_every=cfg.eval_every, eval_batch_size=cfg.eval_batch_size,
-                          sampling=sampling_of(setup.privacy))
+                          sampling=sampling_of(setup.privacy), nonfinite=setup.nonfinite)
         sim = Simulation(loop, data, server, FlowerEngine(strategy, grid), eval_model,
                          metrics=MetricsLog(rd.metrics), reporter=reporter)
         sim.privacy = privacy  # the noise on the sum, epsilon and the target-epsilon stop: the simulator's loop

@@ -64,6 +64,7 @@ class ExperimentSetup:
     compressor: dict[str, Any] | None = None  # the compressor group (None / name none: uplinks dense)
     system: Any = None  # fl_platform.system.SystemModel, or None: no simulated time
     privacy: Any = None  # fl_platform.privacy.config.PrivacyConf (None / name none: no clipping or noise)
+    server_opt: Any = None  # algorithms/server_opt.ServerOptConf (None / name none: the algorithm's own server step)
     import_roots: tuple[str, ...] = ()  # where the user's code in this setup was imported from (plugins.py)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
@@ -74,7 +75,8 @@ class ExperimentSetup:
         return Setup(model_fn=self.model, num_params=num_params, num_buffers=num_buffers,
                      num_classes=self.dataset.num_classes, input_shape=tuple(self.dataset.input_shape),
                      num_clients=self.dataset.num_clients, seed=self.seed, train=self.train,
-                     extra={**self.extra, **({"system": self.system} if self.system is not None else {})})
+                     extra={**self.extra, **({"system": self.system} if self.system is not None else {})},
+                     server_opt=self.server_opt)
 
 
 def _restore(roots: ImportRoots, fields: dict[str, Any]) -> ExperimentSetup:

@@ -40,6 +40,7 @@ from fl_platform.rounds.checkpoint import Checkpoint, Checkpointer, set_rng_stat
 from fl_platform.rounds.engine import Engine, StateLost, busy_columns
 from fl_platform.rounds.sampling import sample_clients
 from fl_platform.training.flat import FlatModel
+from fl_platform.training.loop import NonFiniteError
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class LoopConfig:
     eval_every: int = 1
     eval_batch_size: int = 1024
     sampling: str = "fixed"  # rounds/sampling.py: fixed-size, or Poisson (privacy.sampling)
+    nonfinite: str = "fail"  # engine.nonfinite: a non-finite test loss or accuracy stops the run ("fail") or is logged
 
 
 class Simulation:
@@ -154,10 +156,7 @@ class Simulation:
             try:
                 row = self.run_round(r)
                 row["wall_time_s"] = offset + time.perf_counter() - wall0
-                for key in ("test_accuracy", "test_loss", "train_loss"):
-                    value = row.get(key)
-                    if value is not None and not torch.isfinite(torch.tensor(value)):
-                        log.warning("round %d: %s is %s", r + 1, key, value)
+                self.check_finite(r, row)
                 self.history.append(row)
                 if self.metrics is not None:
                     self.metrics.append(row)
@@ -170,6 +169,21 @@ class Simulation:
                 continue
             r += 1
         return self.summary()
+
+    def check_finite(self, r: int, row: dict[str, Any]) -> None:
+        """A non-finite test metric means the global model itself is broken (e.g. a server step that
+        corrupted BatchNorm statistics): under ``engine.nonfinite=fail`` the run stops before the row is
+        written, as for a non-finite training loss; otherwise (and for the mean training loss) it is logged."""
+        for key in ("test_accuracy", "test_loss", "train_loss"):
+            value = row.get(key)
+            if value is None or torch.isfinite(torch.tensor(value)):
+                continue
+            if key != "train_loss" and self.loop.nonfinite == "fail":
+                raise NonFiniteError(f"round {r + 1}: the global model's {key} is {value} (engine.nonfinite=fail); "
+                                     "the server step left a non-finite model or running statistics: lower the "
+                                     "server's step (server_lr, server_opt.lr) or the local train.lr; "
+                                     "engine.nonfinite=skip logs it and carries on")
+            log.warning("round %d: %s is %s", r + 1, key, value)
 
     def roll_back(self, err: StateLost) -> None:
         """Continue from the last checkpoint after client states were lost, or stop with ``err``."""
