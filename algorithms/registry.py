@@ -74,7 +74,40 @@ def load_spec(ref: str, key: str = "algorithm._target_") -> AlgorithmSpec:
     if not isinstance(spec, AlgorithmSpec):
         raise PluginError(f"{key}={ref} is a {type(spec).__name__}, not an AlgorithmSpec: point it at the module's "
                           "SPEC = AlgorithmSpec(name, Conf, ClientHalf, ServerHalf, summary) (docs/algorithm-api.md)")
+    check_spec(spec, f"{key}={ref}")
     return spec
+
+
+def check_spec(spec: AlgorithmSpec, where: str) -> None:
+    """Refuse at start-up, naming the class, a spec whose parts would fail only mid-run: a ``Conf`` that
+    is not an ``AlgorithmConf`` dataclass, a client half that is not a ``ClientAlgorithm``, a server
+    half that is not a ``ServerAlgorithm`` or does not define ``aggregate`` (the base one only raises)."""
+    import dataclasses
+    import inspect
+
+    from fl_platform.algorithms.base import AlgorithmConf, ClientAlgorithm, ServerAlgorithm
+
+    def name(obj: object) -> str:
+        return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', type(obj).__name__)}"
+
+    head = f"{where}: algorithm {spec.name!r}"
+    conf, server = spec.conf, spec.server
+    if not (inspect.isclass(conf) and dataclasses.is_dataclass(conf)):
+        raise PluginError(f"{head}: its conf {name(conf)} is not a dataclass; decorate it with @dataclass (its "
+                          "fields are the algorithm's config keys, checked and typed at start-up)")
+    if not issubclass(conf, AlgorithmConf):
+        raise PluginError(f"{head}: its conf {name(conf)} does not extend fl_platform.algorithms.base.AlgorithmConf "
+                          "(or ServerStepConf for a server_lr); subclass it")
+    for half, base in (("client", ClientAlgorithm), ("server", ServerAlgorithm)):
+        cls = getattr(spec, half)
+        if not (inspect.isclass(cls) and issubclass(cls, base)):
+            what = "class" if inspect.isclass(cls) else type(cls).__name__
+            raise PluginError(f"{head}: its {half} half {name(cls)} ({what}) is not a subclass of "
+                              f"fl_platform.algorithms.base.{base.__name__}; subclass it (docs/algorithm-api.md)")
+    if server.aggregate is ServerAlgorithm.aggregate:
+        raise PluginError(f"{head}: its server half {name(server)} does not define aggregate(self, ctx, result), "
+                          "the step from the clients' summed (or listed) contributions to the new global model; "
+                          "without it the run would fail after the first round's training")
 
 
 def get_algorithm(name: str | AlgorithmSpec) -> AlgorithmSpec:
@@ -97,6 +130,7 @@ def register_algorithm(spec: AlgorithmSpec, name: str | None = None) -> str:
     name = name or spec.name
     if not isinstance(spec, AlgorithmSpec):
         raise TypeError(f"register_algorithm takes an AlgorithmSpec, got {type(spec).__name__}")
+    check_spec(spec, f"register_algorithm({spec.name!r})")
     if name == PLUGIN or (name in algorithm_refs()):
         raise ValueError(f"algorithm name {name!r} is taken (built-in or installed); give another name")
     if _REGISTERED.get(name, spec) is not spec:

@@ -49,6 +49,27 @@ class RowBlocks:
         return out if dtype is None else out.astype(dtype, copy=False)
 
 
+def _check_finite(name: str, split: str, x: np.ndarray | RowBlocks) -> None:
+    """Refuse float features holding NaN or inf at load (one pass, block by block): they would surface
+    only as a NaN loss mid-training, whose hints point at the learning rate."""
+    for start, block in _blocks(x):
+        if not np.issubdtype(block.dtype, np.floating):
+            return
+        if not len(block) or np.isfinite(block.sum(dtype=np.float64)):  # (buffered: no copy of the block)
+            continue
+        rows = np.flatnonzero(~np.isfinite(block.reshape(len(block), -1)).all(axis=1))
+        if len(rows):
+            raise ValueError(f"{name}: {split}_x has non-finite values (NaN or inf) in {len(rows)} row(s), first "
+                             f"row {start + int(rows[0])}: drop or impute them before training (a NaN feature "
+                             "makes the loss NaN)")
+
+
+def _blocks(x: np.ndarray | RowBlocks) -> list[tuple[int, np.ndarray]]:
+    blocks = x.blocks if isinstance(x, RowBlocks) else [x]
+    starts = np.cumsum([0, *(len(b) for b in blocks)])
+    return [(int(s), np.asarray(b)) for s, b in zip(starts, blocks)]
+
+
 @dataclass
 class SourceData:
     """Train and test arrays of one data source plus what the partitioners and models need to know.
@@ -88,7 +109,11 @@ class SourceData:
                     f"{self.name}: {split}_x rows have shape {x.shape[1:]}, not {self.input_shape}"
                 )
             if len(y) and (y.min() < 0 or y.max() >= self.num_classes):
-                raise ValueError(f"{self.name}: {split} labels outside [0, {self.num_classes})")
+                bad = y[(y < 0) | (y >= self.num_classes)]
+                raise ValueError(f"{self.name}: {split} labels outside [0, {self.num_classes}) (num_classes="
+                                 f"{self.num_classes}): {len(bad)} of {len(y)}, e.g. {int(bad[0])}; fix the labels "
+                                 "or num_classes")
+            _check_finite(self.name, split, x)
         for split, groups, y in (
             ("train", self.train_groups, self.train_y),
             ("test", self.test_groups, self.test_y),

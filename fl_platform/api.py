@@ -177,7 +177,13 @@ def source_from(data: Any, name: str = "python") -> SourceData:
         raise ValueError("data: the training set is empty")
     if train_y.min() < 0 or (len(test_y) and test_y.min() < 0):
         raise ValueError("data: class ids must be >= 0")
-    num_classes = int(max(train_y.max(), test_y.max() if len(test_y) else 0)) + 1
+    num_classes = int(train_y.max()) + 1  # the classes the clients can learn
+    if len(test_y) and test_y.max() >= num_classes:
+        unseen = np.unique(test_y[test_y >= num_classes])
+        raise ValueError(f"data: test_y holds class id(s) {', '.join(map(str, unseen[:5].tolist()))} outside the "
+                         f"training labels' range 0..{num_classes - 1}: no client can learn them, so the test accuracy "
+                         "would count them as errors. Fix the labels, or pass a SourceData with num_classes set "
+                         "if the model must have those outputs")
     features = (lambda a: a.astype(np.float32, copy=False)) if np.issubdtype(train_x.dtype, np.floating) \
         else (lambda a: a.astype(np.int64, copy=False))  # integer features: token ids
     return SourceData(features(train_x), train_y.astype(np.int64), features(test_x), test_y.astype(np.int64),

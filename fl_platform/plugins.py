@@ -23,6 +23,7 @@ outside it are shipped to cluster nodes by the engine's runtime environment
 
 from __future__ import annotations
 
+import collections.abc
 import importlib
 import importlib.metadata
 import importlib.util
@@ -30,7 +31,7 @@ import inspect
 import logging
 import sys
 import sysconfig
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -166,12 +167,13 @@ def describe(fn: Callable[..., Any]) -> str:
     return f"{name}({', '.join(shown)})"
 
 
-def check_arguments(fn: Callable[..., Any], given: Iterable[str], filled: Iterable[str], section: str,
+def check_arguments(fn: Callable[..., Any], given: Mapping[str, Any], filled: Iterable[str], section: str,
                     ref: str) -> None:
     """Refuse, naming them, the fields of config section ``section`` that ``fn`` has no parameter for,
-    and the parameters without a default that neither the config nor the platform (``filled``) gives."""
+    the parameters without a default that neither the config nor the platform (``filled``) gives, and
+    a value that its parameter's annotation does not admit (:func:`annotation_problem`)."""
     named, var_kw = parameters(fn)
-    given, filled = set(given), set(filled)
+    values, given, filled = dict(given), set(given), set(filled)
     unknown = sorted(given - set(named)) if not var_kw else []
     options = sorted(n for n in named if n not in filled)
     if unknown:
@@ -183,6 +185,92 @@ def check_arguments(fn: Callable[..., Any], given: Iterable[str], filled: Iterab
     if missing:
         raise PluginError(f"{describe(fn)} ({section}._target_={ref}) needs "
                           f"{', '.join(f'+{section}.{k}=<value>' for k in missing)}")
+    hints = _type_hints(fn)
+    for name in sorted(given & set(named)):
+        annotation = hints.get(name, named[name].annotation)
+        problem = annotation_problem(values[name], annotation)
+        if problem is not None:
+            raise PluginError(f"{section}.{name}={values[name]!r}: parameter {name} of {describe(fn)} "
+                              f"({section}._target_={ref}) is annotated {_type_name(annotation)}, {problem}")
+
+
+def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    """``fn``'s resolved annotations (a class: its constructor's); {} when they do not resolve (the
+    raw annotations are used then, and a string one is not checked)."""
+    import typing
+
+    target = fn.__init__ if inspect.isclass(fn) else fn  # type: ignore[misc]
+    try:
+        return typing.get_type_hints(target)
+    except Exception:  # an annotation naming what its module does not define: check what resolves
+        return {}
+
+
+def _type_name(annotation: Any) -> str:
+    return annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
+
+
+def annotation_problem(value: Any, annotation: Any) -> str | None:
+    """Why a config value (None, bool, int, float, str, list, dict: what Hydra parses) does not fit
+    ``annotation``, or None when it fits or the annotation is not one a config value can be checked
+    against (a class of the user's, a string that did not resolve). Hydra reads ``nan``, ``inf``,
+    numbers, ``true``/``false`` and ``null`` as values, so a ``str`` parameter given one says how to
+    quote it; an ``int`` is accepted for a ``float``."""
+    import types
+    import typing
+
+    if annotation in (inspect.Parameter.empty, Any, object) or isinstance(annotation, str | typing.TypeVar):
+        return None
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        problems = [annotation_problem(value, a) for a in args]
+        if any(p is None for p in problems):
+            return None
+        return f"got {_described(value)}"
+    if origin is typing.Literal:
+        return None if value in args else f"one of {', '.join(map(repr, args))}; got {_described(value)}"
+    if annotation is type(None):
+        return None if value is None else f"got {_described(value)}"
+    got = f"got {_described(value)}"
+    if annotation is bool:
+        return None if isinstance(value, bool) else got
+    if annotation is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else got
+    if annotation is float:
+        return None if isinstance(value, int | float) and not isinstance(value, bool) else got
+    if annotation is str:
+        if isinstance(value, str):
+            return None
+        if value is None or isinstance(value, int | float | bool):
+            return f"{got} (Hydra reads it as a value, not text: quote it, e.g. '{value}')"
+        return got
+    container = origin or annotation
+    if container in _SEQUENCES:
+        if not isinstance(value, list | tuple):
+            return f"a list, {got}"
+        if container is tuple and args and args[-1] is not Ellipsis:  # tuple[int, str]: one type per item
+            if len(args) != len(value):
+                return f"{len(args)} items, {got}"
+            kinds = list(args)
+        else:  # list[int], tuple[int, ...], Sequence[float]
+            kinds = [args[0]] * len(value) if args else []
+        for i, (item, kind) in enumerate(zip(value, kinds)):
+            problem = annotation_problem(item, kind)
+            if problem is not None:
+                return f"item {i}: {problem}"
+        return None
+    if container in _MAPPINGS:
+        return None if isinstance(value, dict) else f"a mapping, {got}"
+    return None  # a class of the user's (or a torch type): not something a config value can be checked against
+
+
+_SEQUENCES = (list, tuple, set, frozenset, collections.abc.Sequence, collections.abc.MutableSequence,
+              collections.abc.Iterable, collections.abc.Collection)
+_MAPPINGS = (dict, collections.abc.Mapping, collections.abc.MutableMapping)
+
+
+def _described(value: Any) -> str:
+    return "null" if value is None else f"{type(value).__name__} {value!r}"
 
 
 # ---------------------------------------------------------------- entry points

@@ -146,7 +146,7 @@ def test_torch_datasets_are_read_into_the_source_form():
     np.testing.assert_array_equal(source.train_x, train_x.numpy())
 
 
-def test_bad_inputs_are_refused_with_the_reason():
+def test_bad_inputs_are_refused_with_the_reason(monkeypatch):
     data = _toy()
     with pytest.raises(TypeError, match="not an instance"):
         api.overrides_for(model=nn.Linear(5, 3))
@@ -156,5 +156,20 @@ def test_bad_inputs_are_refused_with_the_reason():
         api.overrides_for(partition=[[0, 1]])
     with pytest.raises(TypeError, match="integer class ids"):
         api.source_from((data[0], data[1].float(), data[2], data[3]))
+    test_y = data[3].clone()
+    test_y[4] = 7  # training labels are 0..2: no client can learn class 7
+    with pytest.raises(ValueError, match=r"test_y holds class id\(s\) 7 outside the training labels' range 0\.\.2"):
+        api.source_from((data[0], data[1], data[2], test_y))
+    train_x = data[0].clone()
+    train_x[3, 1] = float("inf")
+    with pytest.raises(ValueError, match=r"python: train_x has non-finite values \(NaN or inf\) in 1 row\(s\), "
+                                         r"first row 3"):
+        api.source_from((train_x, data[1], data[2], data[3]))
+    monkeypatch.syspath_prepend(str(REPO / "tests"))
+    from plugin_pkg.bad import NO_AGGREGATE
+
+    with pytest.raises(plugins.PluginError, match=r"register_algorithm\('lazy'\): .*server half plugin_pkg\.bad:Lazy "
+                                                  r"does not define aggregate"):
+        api.overrides_for(algorithm=NO_AGGREGATE)
     with pytest.raises(plugins.PluginError, match=r"names a Python object given to fl_platform\.api in the process"):
         plugins.load("object:Local@7f00", "model._target_")

@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args: str, cwd: Path = REPO, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+    # tests/ on the path: tests/plugin_pkg is a user's package (the bad-input list's plug-ins).
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "PYTHONPATH": str(REPO / "tests")}
     flags = [a for a in args if a.startswith("-")]  # Hydra wants -m before the overrides
     overrides = [a for a in args if not a.startswith("-")]
     return subprocess.run([sys.executable, "-m", "fl_platform.run", *flags, "logger.progress=false", *overrides],
@@ -62,6 +63,10 @@ def test_sweep_makes_one_run_dir_per_job_and_plot_turns_them_into_a_figure_and_t
     assert all("| 2 |" in row for row in rows)  # two seeds per algorithm
 
 
+_MODEL = ("model=custom", "model._target_=plugin_pkg.nets:TinyNet")
+_DATA = ("dataset=custom", "dataset._target_=plugin_pkg.data:blobs")
+
+
 @pytest.mark.parametrize(("args", "expected"), [
     (["algorithm=fedavgx"], ["Could not find 'algorithm/fedavgx'", "fedavg", "scaffold"]),
     (["dataset=mnistx"], ["Could not find 'dataset/mnistx'", "digits"]),
@@ -75,6 +80,29 @@ def test_sweep_makes_one_run_dir_per_job_and_plot_turns_them_into_a_figure_and_t
     (["train.lr=1e30", "rounds=2"], ["non-finite", "client", "round 1", "train.lr"]),
     (["clients_per_round=500"], ["clients_per_round"]),
     (["train.steps=20", "train.epochs=3"], ["train.epochs has no effect when train.steps is set", "train.steps=20"]),
+    # the user's own code (tests/plugin_pkg): arguments against their annotations, algorithm halves, data
+    ([*_MODEL, "+model.width=abc"], ["model.width='abc'", "parameter width of plugin_pkg.nets:TinyNet",
+                                     "annotated int, got str 'abc'"]),
+    (["model=custom", "model._target_=plugin_pkg.bad:DropNet", "+model.dropout=high"],
+     ["model.dropout='high'", "plugin_pkg.bad:DropNet", "annotated float, got str 'high'"]),
+    (["dataset=custom", "dataset._target_=plugin_pkg.bad:tagged", "+dataset.tag=nan"],
+     ["dataset.tag=nan", "annotated str, got float nan", "quote it"]),
+    ([*_DATA, "+dataset.n=1.5"], ["dataset.n=1.5", "plugin_pkg.data:blobs", "annotated int, got float 1.5"]),
+    (["algorithm=plugin", "algorithm._target_=plugin_pkg.bad:NO_AGGREGATE"],
+     ["its server half plugin_pkg.bad:Lazy does not define aggregate"]),
+    (["algorithm=plugin", "algorithm._target_=plugin_pkg.bad:NOT_A_DATACLASS"],
+     ["its conf plugin_pkg.bad:PlainConf is not a dataclass"]),
+    (["algorithm=plugin", "algorithm._target_=plugin_pkg.bad:NOT_A_CLIENT"],
+     ["its client half plugin_pkg.bad:NotAClient", "not a subclass of fl_platform.algorithms.base.ClientAlgorithm"]),
+    (["algorithm=plugin", "algorithm._target_=plugin_pkg.nets:TinyNet"], ["is a type, not an AlgorithmSpec"]),
+    (["model=custom", "model._target_=plugin_pkg.nets:Nope"], ["module plugin_pkg.nets", "has no attribute 'Nope'"]),
+    ([*_MODEL, "+model.widht=3"], ["model.widht: not a parameter of plugin_pkg.nets:TinyNet"]),
+    (["dataset=custom", "dataset._target_=plugin_pkg.bad:labelled"],
+     ["test labels outside [0, 3) (num_classes=3)", "e.g. 3"]),
+    (["dataset=custom", "dataset._target_=plugin_pkg.bad:labelled", "+dataset.split=train", "+dataset.label=-1"],
+     ["train labels outside [0, 3)", "e.g. -1"]),
+    (["dataset=custom", "dataset._target_=plugin_pkg.bad:holed"],
+     ["holed: train_x has non-finite values (NaN or inf)", "first row 5"]),
 ])
 def test_bad_input_fails_with_a_clear_message(args, expected, tmp_path):
     proc = run_cli(*args, f"hydra.run.dir={tmp_path / 'run'}")
