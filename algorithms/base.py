@@ -135,6 +135,13 @@ class ClientAlgorithm:
               trainer: LocalTrainer):
         return None
 
+    def personal_model(self, ctx: RoundContext, client_id: int, broadcast: Broadcast,
+                       state: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
+        """The client's personalised model ``[params | buffers]`` from the global weights and its state,
+        for per-client evaluation (``eval.clients``, fl_platform/rounds/client_eval.py); None: this
+        algorithm has no personal model (only the global one is evaluated). Must not change ``state``."""
+        return None
+
     def prepare(self, ctx: RoundContext, client_id: int, broadcast: Broadcast,
                 state: dict[str, torch.Tensor] | None, data: ClientData, trainer: LocalTrainer) -> LocalPlan:
         """Before local training: start from the global weights, train with ``hooks``."""

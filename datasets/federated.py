@@ -26,6 +26,7 @@ from fl_platform.datasets import registry
 from fl_platform.datasets.augment import Augmentation, AugmentConf
 from fl_platform.datasets.partition import PARTITIONERS, Partition, make_partition
 from fl_platform.datasets.source import RowBlocks, SourceData
+from fl_platform.seeding import Stream, numpy_rng
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,12 @@ class FederatedDataset:
     client_block: np.ndarray  # each client's block
     vocab: list[str] | None = None
     augment: Augmentation | None = None  # of training minibatches (dataset.augment); None: off
+    # Each client's local test rows (eval.local_test_fraction, ``with_local_test``), held out of
+    # ``partition``; None: no local test split (the server's test set only).
+    local_test: Partition | None = None
     _indices: torch.Tensor | None = field(default=None, init=False, repr=False)
     _labels: list[torch.Tensor] | None = field(default=None, init=False, repr=False)  # train_y per block
+    _test_indices: torch.Tensor | None = field(default=None, init=False, repr=False)  # local_test's, cached
 
     @classmethod
     def from_source(cls, source: SourceData, partition: Partition,
@@ -104,7 +109,7 @@ class FederatedDataset:
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without its caches (index tensor, label views): rebuilt where they are read."""
-        return {**vars(self), "_indices": None, "_labels": None}
+        return {**vars(self), "_indices": None, "_labels": None, "_test_indices": None}
 
     @property
     def num_clients(self) -> int:
@@ -140,14 +145,41 @@ class FederatedDataset:
             raise IndexError(f"client {c} out of range for {self.num_clients} clients")
         if self._indices is None or self._indices.device != self.train_y.device:
             self._indices = torch.from_numpy(self.partition.indices).to(self.train_y.device)
-        lo, hi = self.partition.offsets[c], self.partition.offsets[c + 1]
-        rows = self._indices[int(lo) : int(hi)]
+        return self._block_rows(c, self.partition, self._indices)
+
+    def _block_rows(self, c: int, part: Partition, indices: torch.Tensor) -> torch.Tensor:
+        """Client ``c``'s rows in ``part`` (whose indices, on the device, are ``indices``), counted from
+        the start of the client's block."""
+        lo, hi = part.offsets[c], part.offsets[c + 1]
+        rows = indices[int(lo) : int(hi)]
         start = int(self.block_starts[self.client_block[c]])
-        return rows - start if start else rows  # counted from the start of the client's block
+        return rows - start if start else rows
 
     def client_view(self, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Client ``c``'s block of features, the block's labels and the client's rows in it (views)."""
-        indices = self.client_indices(c)
+        return self._block_view(c, self.client_indices(c))
+
+    def client_test_view(self, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Client ``c``'s block, the block's labels and the client's local test rows in it (views)."""
+        if self.local_test is None:
+            raise ValueError(f"{self.name}: no local test split (set eval.local_test_fraction with eval.clients)")
+        if self._test_indices is None or self._test_indices.device != self.train_y.device:
+            self._test_indices = torch.from_numpy(self.local_test.indices).to(self.train_y.device)
+        return self._block_view(c, self._block_rows(c, self.local_test, self._test_indices))
+
+    def with_local_test(self, fraction: float, seed: int) -> FederatedDataset:
+        """This dataset with ``fraction`` of each client's rows held out as its local test split.
+
+        Stratified per client: the split keeps each class's share as closely as whole samples allow
+        (largest remainder), and a client with at least two samples keeps one for training. The rows
+        are drawn from (seed, client), so the split is the same whichever process or worker builds it.
+        """
+        if not 0.0 < fraction < 1.0:
+            raise ValueError(f"eval.local_test_fraction must be in (0, 1), got {fraction}")
+        train, test = split_local_test(self.partition, self.train_y.numpy(), fraction, seed)
+        return replace(self, partition=train, local_test=test)
+
+    def _block_view(self, c: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self._labels is None:  # one view per block, so that clients of a block share their tensors
             starts = self.block_starts.tolist()
             self._labels = [self.train_y] if len(starts) == 2 else \
@@ -210,7 +242,7 @@ class FederatedDataset:
                 and np.array_equal(self.partition.indices, copy.partition.indices)):
             raise ValueError("hold_copy: the copy's partition is not this dataset's")
         self.train_y, self.partition = copy.train_y, copy.partition
-        self._indices = self._labels = None
+        self._indices = self._labels = self._test_indices = None
 
     def to(self, device: str | torch.device) -> FederatedDataset:
         """A copy whose tensors (and the cached index tensor) live on ``device``; moved once, here."""
@@ -225,6 +257,48 @@ class FederatedDataset:
         if moved.num_clients:
             moved.client_indices(0)  # builds the cached index tensor on the device, once
         return moved
+
+
+def split_local_test(partition: Partition, labels: np.ndarray, fraction: float, seed: int,
+                     ) -> tuple[Partition, Partition]:
+    """Each client's rows cut into (train, local test), stratified by label, from (seed, client).
+
+    A client of n >= 2 rows gets round(fraction * n) test rows, at least 1 and at most n - 1, shared
+    among its classes by largest remainder of ``fraction * count`` (ties: the rarer class first, then
+    the lower label); within a class the test rows are a random choice. Both parts keep ascending row
+    order, so a client's minibatch draws depend only on its rows.
+    """
+    sizes = partition.sizes()
+    train_parts, test_parts = [], []
+    train_sizes = np.zeros(len(sizes), dtype=np.int64)
+    test_sizes = np.zeros(len(sizes), dtype=np.int64)
+    for c in range(len(sizes)):
+        rows = partition.client(c)
+        n = len(rows)
+        k = min(max(int(np.floor(fraction * n + 0.5)), 1), n - 1) if n >= 2 else 0
+        pick = np.zeros(n, dtype=bool)
+        if k:
+            ys = labels[rows]
+            classes, counts = np.unique(ys, return_counts=True)
+            quota = fraction * counts
+            take = np.minimum(np.floor(quota).astype(np.int64), counts)
+            order = np.lexsort((classes, counts, -(quota - take)))  # largest remainder first
+            for i in order[: max(k - int(take.sum()), 0)]:
+                take[i] += 1
+            while take.sum() > k:  # (floors alone exceed k only through k's cap at n - 1)
+                take[np.argmax(take)] -= 1
+            rng = numpy_rng(seed, Stream.LOCAL_TEST, c)
+            for cls_, t in zip(classes, take):
+                if t:
+                    members = np.flatnonzero(ys == cls_)
+                    pick[rng.choice(members, size=int(t), replace=False)] = True
+        train_parts.append(np.sort(rows[~pick]))
+        test_parts.append(np.sort(rows[pick]))
+        train_sizes[c], test_sizes[c] = n - int(pick.sum()), int(pick.sum())
+    empty = np.zeros(0, dtype=np.int64)
+    train = Partition.from_sizes(np.concatenate(train_parts) if train_parts else empty, train_sizes)
+    test = Partition.from_sizes(np.concatenate(test_parts) if test_parts else empty, test_sizes)
+    return train, test
 
 
 def default_partition(name: str) -> str:

@@ -321,6 +321,21 @@ class LoggerConf:
     log_every: int = 1
 
 
+class EvalClients(StrEnum):
+    none = "none"  # the server's test set only
+    sample = "sample"  # also each client of the round, on its local test split
+    all = "all"  # also every client, on its local test split
+
+
+@dataclass
+class EvalConf:
+    """Per-client evaluation on local test splits (fl_platform/rounds/client_eval.py, docs/personalisation.md)."""
+
+    clients: EvalClients = EvalClients.none
+    local_test_fraction: float = 0.2  # of each client's rows, stratified, held out as its local test split
+    finetune_steps: int = 0  # k > 0: also evaluate after k local SGD steps from the (personal) model
+
+
 @dataclass
 class Config:
     seed: int = 0
@@ -343,6 +358,7 @@ class Config:
     server_opt: ServerOptConf = MISSING  # adaptive server optimisers (algorithms/server_opt.py, FedAdam/Yogi/Adagrad)
     engine: EngineConf = field(default_factory=EngineConf)
     logger: LoggerConf = field(default_factory=LoggerConf)
+    eval: EvalConf = field(default_factory=EvalConf)  # per-client evaluation (eval.clients)
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {

@@ -25,6 +25,9 @@ class Stream(enum.IntEnum):
     FAULT = 7
     AUGMENT = 8  # crops and flips of a client's training minibatches (datasets/augment.py)
     PRIVACY = 9  # differential privacy noise: the server's on the sum, a client's own (fl_platform/privacy)
+    LOCAL_TEST = 10  # which of a client's rows form its local test split (eval.local_test_fraction)
+    PERSONAL = 11  # minibatch orders of a client's personal model (Ditto's v, FedRep's head phase)
+    FINETUNE = 12  # minibatch orders of eval.finetune_steps before a client's evaluation
 
 
 # numpy's SeedSequence hash constants (numpy/random/bit_generator.pyx).

@@ -15,6 +15,7 @@ from typing import Any
 from fl_platform.core import Broadcast, RoundContext
 from fl_platform.engine.scheduler import Scheduler, check_slow_worker
 from fl_platform.engine.worker import Worker, WorkerOptions
+from fl_platform.rounds.client_eval import assignment
 from fl_platform.rounds.engine import Engine, WorkerResult
 from fl_platform.rounds.setup import ExperimentSetup
 from fl_platform.state.distributed import home_worker, lending_plan
@@ -70,6 +71,17 @@ class InlineEngine(Engine):
                                             [r.busy_seconds for r in results])
         self._stats["sched_engine_s"] = time.perf_counter() - t0
         return results
+
+    def evaluate_clients(self, ctx: RoundContext, broadcast: Broadcast,
+                         client_ids: list[int]) -> dict[int, dict[str, float]]:
+        """Each client on its home worker (distributed states) or spread over the workers; client order."""
+        by_home = self.distributed and self.stateful
+        parts = assignment(client_ids, self.num_workers, by_home)
+        out: dict[int, dict[str, float]] = {}
+        for w, cids in zip(self.workers, parts):
+            if cids:
+                out.update(w.evaluate_clients(ctx, broadcast, cids))
+        return {c: out[c] for c in sorted(out)}
 
     def describe_workers(self) -> list[dict[str, Any]]:
         rows = []

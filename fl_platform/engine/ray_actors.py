@@ -142,6 +142,11 @@ class RayWorker(Worker):
         driver, which gets writable tensors)."""
         return Packed(Aggregate().merge(own).merge(other), views=not last)
 
+    def evaluate_clients_packed(self, ctx: RoundContext, broadcast: Broadcast, client_ids: list[int],
+                                expect: dict[int, int] | None) -> dict[int, dict[str, float]]:
+        """``evaluate_clients``; the broadcast arrives packed (a view), the result is plain floats."""
+        return self.evaluate_clients(ctx, broadcast, client_ids, expect)
+
     def export_states_packed(self, client_ids: list[int]) -> Packed:
         return Packed(self.export_states(client_ids))
 

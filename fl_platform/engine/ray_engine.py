@@ -51,6 +51,7 @@ from fl_platform.engine.ray_state import Lending
 from fl_platform.engine.scheduler import Scheduler, check_slow_worker
 from fl_platform.engine.transport import Packed, received_bytes
 from fl_platform.engine.worker import WorkerOptions
+from fl_platform.rounds.client_eval import assignment
 from fl_platform.rounds.engine import Engine, StateLost, WorkerResult
 from fl_platform.rounds.setup import ExperimentSetup
 from fl_platform.state.distributed import home_worker
@@ -386,6 +387,25 @@ class RayEngine(Engine):
             return out
 
         self._get_all(calls, f"saving client states after round {ctx.round + 1}")
+
+    def evaluate_clients(self, ctx: RoundContext, broadcast: Broadcast,
+                         client_ids: list[int]) -> dict[int, dict[str, float]]:
+        """Per-client evaluation on the workers: each client on its home worker when states live with
+        their homes (nothing is lent), else spread over the workers; states checked against the manifest."""
+        if self._lost is not None:
+            raise StateLost(f"{self._lost}; the engine needs restore_state (a checkpoint) before evaluating")
+        parts = assignment(client_ids, self.num_workers, self.lend)
+        bc = Packed(broadcast)
+
+        def calls() -> list[Any]:
+            return [self.pool[w].evaluate_clients_packed.remote(
+                ctx, bc, cids, self.manifest.expected(cids) if self.stateful else None)
+                for w, cids in enumerate(parts) if cids]
+
+        out: dict[int, dict[str, float]] = {}
+        for part in self._get_all(calls, f"evaluating clients after round {ctx.round + 1}"):
+            out.update(part)
+        return {c: out[c] for c in sorted(out)}
 
     def round_stats(self) -> dict[str, Any]:
         return dict(self._stats)

@@ -32,6 +32,7 @@ from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundC
 from fl_platform.engine.scheduler import work_units
 from fl_platform.engine.timing import DeviceClock
 from fl_platform.privacy.setup import make_client_privacy
+from fl_platform.rounds.client_eval import evaluate_client, to_host
 from fl_platform.rounds.engine import WorkerResult
 from fl_platform.rounds.setup import ExperimentSetup, resolve_device
 from fl_platform.state.distributed import DistributedStore, home_worker
@@ -192,6 +193,27 @@ class Worker:
         if self.options.durable_rounds:
             self.store.flush()
         return applied
+
+    def evaluate_clients(self, ctx: RoundContext, broadcast: Broadcast, client_ids: list[int],
+                         expect: dict[int, int] | None = None) -> dict[int, dict[str, float]]:
+        """Per-client evaluation on local test splits (fl_platform/rounds/client_eval.py): the global
+        model, the personal one where the algorithm has one, after ``finetune_steps`` local steps if
+        set. Reads each client's state (checked against ``expect``), writes none."""
+        if self.data.local_test is None:
+            raise ValueError("per-client evaluation needs a local test split (eval.local_test_fraction)")
+        if self.stateful and self.options.drop_cache_each_round:
+            self.store.invalidate()
+        self._expect = expect
+        bc = broadcast.to(self.device)
+        scores = {}
+        for cid in client_ids:
+            state = self._load_state(cid)
+            if self.uplink is not None:
+                state, _ = self.uplink.split_state(state)
+            x, y, rows = self.data.client_test_view(cid)
+            scores[cid] = evaluate_client(self.client, self.trainer, ctx, cid, bc, state, self.client_data(cid),
+                                          ClientData(x, y, rows), self.setup.finetune_steps)
+        return to_host(scores)
 
     def _train_client(self, ctx: RoundContext, bc: Broadcast, cid: int, acc: _Round) -> ClientUpdate | None:
         """Train one client; a non-finite update is rejected (None) or raised, by ``engine.nonfinite``."""

@@ -28,7 +28,7 @@ import fl_platform
 
 UNSET = ""  # the key is left to conf/ (the selected option's own default)
 NULL = "null"  # None
-EXCLUDED_GROUPS = ("engine",)  # simulation-only
+EXCLUDED_GROUPS = ("engine", "eval")  # simulation-only (eval: per-client evaluation runs on the engines)
 DEPLOY = "deploy"
 
 RunConfig = dict[str, bool | int | float | str]

@@ -93,6 +93,13 @@ class Engine(ABC):
     def run_round(self, ctx: RoundContext, broadcast: Broadcast) -> list[WorkerResult]:
         """Train ``ctx.clients``; results are returned in worker-id order."""
 
+    def evaluate_clients(self, ctx: RoundContext, broadcast: Broadcast,
+                         client_ids: list[int]) -> dict[int, dict[str, float]]:
+        """Per-client evaluation on local test splits (``eval.clients``), where the clients train;
+        client -> its metrics (fl_platform/rounds/client_eval.py). Reads client states, never writes."""
+        raise NotImplementedError(f"per-client evaluation (eval.clients) is not implemented for "
+                                  f"{type(self).__name__}; use engine=inline or engine=ray")
+
     def describe_workers(self) -> list[dict[str, Any]]:
         """One row per worker: worker, node, device, gpu_ids (Ray's assignment), gpu_share, torch, cuda
         (logged as a table at start-up and written to run.json)."""

@@ -66,6 +66,7 @@ class ExperimentSetup:
     privacy: Any = None  # fl_platform.privacy.config.PrivacyConf (None / name none: no clipping or noise)
     server_opt: Any = None  # algorithms/server_opt.ServerOptConf (None / name none: the algorithm's own server step)
     import_roots: tuple[str, ...] = ()  # where the user's code in this setup was imported from (plugins.py)
+    finetune_steps: int = 0  # eval.finetune_steps: local steps before a client's evaluation (client_eval.py)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # ImportRoots first: unpickling it extends sys.path before the fields (the user's classes) load.

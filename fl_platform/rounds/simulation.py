@@ -72,6 +72,9 @@ class Simulation:
     # clip norm in the broadcast, noise on the reduced sum before the server step, epsilon per row,
     # and the stop before a round that would exceed privacy.target_epsilon.
     privacy: Any = None
+    # fl_platform.rounds.client_eval.ClientEvaluation (set by experiment.build for eval.clients=all|sample):
+    # per-client accuracies on local test splits, evaluated by the engine after the server step.
+    client_eval: Any = None
 
     def __init__(self, loop: LoopConfig, data: FederatedDataset, server: ServerAlgorithm, engine: Engine,
                  eval_model: FlatModel, metrics: MetricsLog | None = None, reporter: Reporter | None = None,
@@ -140,6 +143,10 @@ class Simulation:
             t1 = time.perf_counter()
             row.update(self.evaluate())
             row["eval_time_s"] = time.perf_counter() - t1
+            if self.client_eval is not None:
+                t1 = time.perf_counter()
+                row.update(self.client_eval.run(ctx, self.server.weights, self.engine))
+                row["client_eval_time_s"] = time.perf_counter() - t1
         if any(res.timings for res in results):  # how busy the workers were, evaluation included (it keeps them waiting)
             row.update(busy_columns(results, self.engine.num_workers, round_seconds, time.perf_counter() - t0,
                                     row.get("worker_transport_s")))
@@ -213,6 +220,8 @@ class Simulation:
             self.start_round, self.history = 0, []
             if self.metrics is not None:
                 self.metrics.replace([])
+            if self.client_eval is not None:
+                self.client_eval.truncate_after(0)
             return
         if ckpt.round > self.loop.rounds:
             raise ValueError(f"checkpoint {ckpt.path} is after round {ckpt.round}, beyond rounds={self.loop.rounds}")
@@ -231,6 +240,8 @@ class Simulation:
         self.history = [dict(row) for row in ckpt.history]
         if self.metrics is not None:  # rows written after the checkpoint are dropped
             self.metrics.replace(self.history)
+        if self.client_eval is not None:
+            self.client_eval.truncate_after(ckpt.round)
         log.info("resumed from %s after round %d", ckpt.path, ckpt.round)
 
     def summary(self) -> dict[str, Any]:

@@ -95,10 +95,13 @@ class LocalTrainer:
         return opt
 
     def fit(self, data: ClientData, hooks: TrainHooks | None = None, *, seed: int, round: int,
-            client: int, cfg: TrainConfig | None = None) -> Metrics:
+            client: int, cfg: TrainConfig | None = None, stream: Stream = Stream.SHUFFLE) -> Metrics:
         """Train the live model in place; returns (sum, count) metrics: loss, accuracy, steps.
 
         ``round`` is the 0-based round index (the RNG key); messages show it 1-based like metrics.jsonl.
+        ``stream``: the minibatch orders' random stream; a second training of the same client in the
+        same round (a personal model, fine-tuning before evaluation) names its own, so that its orders
+        are not the first training's.
         Raises NonFiniteError when the loss becomes NaN/inf, naming the client and round.
         """
         cfg = cfg or self.cfg
@@ -113,8 +116,8 @@ class LocalTrainer:
         n = data.num_samples
         total_steps = cfg.num_steps(n)
         bs = cfg.batch_size
-        gen = torch_generator(seed, Stream.SHUFFLE, round, client, *shuffle_keys(cfg))
-        seed_torch_global(seed, Stream.TORCH, round, client)
+        gen = torch_generator(seed, stream, round, client, *shuffle_keys(cfg))
+        seed_torch_global(seed, Stream.TORCH, round, client, *(() if stream == Stream.SHUFFLE else (stream,)))
         aug = data.augment
         aug_key = aug.client_keys(seed, round, [client], data.x.device) if aug is not None else None
         loss_sum = torch.zeros((), device=fm.device)
@@ -166,8 +169,10 @@ class LocalTrainer:
 
 
 @torch.inference_mode()
-def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> dict[str, float]:
-    """Test loss and accuracy with large batched forward passes."""
+def eval_sums(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+              batch_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed cross-entropy, correct predictions) in large batched forward passes, left on the device
+    (per-client evaluation reads many clients' sums back at once)."""
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
@@ -178,5 +183,11 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_siz
         loss_sum += torch.nn.functional.cross_entropy(logits, yb, reduction="sum").double()
         correct += (logits.argmax(dim=-1) == yb).sum()
     model.train(was_training)
+    return loss_sum, correct
+
+
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> dict[str, float]:
+    """Test loss and accuracy with large batched forward passes."""
+    loss_sum, correct = eval_sums(model, x, y, batch_size)
     n = max(x.shape[0], 1)
     return {"test_loss": float(loss_sum) / n, "test_accuracy": float(correct) / n}
