@@ -7,7 +7,6 @@ exactly the same code path.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -22,22 +21,20 @@ from omegaconf import DictConfig, OmegaConf
 from fl_platform.algorithms.registry import PLUGIN, get_algorithm, spec_of
 from fl_platform.config import EngineConf, options_of, unknown_keys
 from fl_platform.datasets.federated import FederatedDataset, build_federated_dataset
-from fl_platform.engine.scheduler import balance_warning
 from fl_platform.models import check_model_input
 from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
 from fl_platform.privacy.config import sampling_of
 from fl_platform.privacy.setup import resolved_privacy, server_privacy_for
 from fl_platform.reporting import Reporter
 from fl_platform.rounds.checkpoint import Checkpointer
-from fl_platform.rounds.client_eval import CLIENT_METRICS, ClientEvaluation
-from fl_platform.rounds.engine import Engine, workers_table
-from fl_platform.rounds.sampling import sample_clients
+from fl_platform.rounds.engine import Engine
 from fl_platform.rounds.setup import ExperimentSetup, ModelFactory, resolve_device
 from fl_platform.rounds.simulation import LoopConfig, Simulation
 from fl_platform.seeding import Stream, seed_torch_global
 from fl_platform.system.model import build_system
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.loop import TrainConfig
+from fl_platform.training.step import check_cohort_options, check_image_inputs
 from fl_platform.training.vectorised import parse_cohort_size
 
 log = logging.getLogger(__name__)
@@ -109,28 +106,6 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} {message}")
     check_keys_and_plugins(cfg)
     check_effective(cfg)
-    check_eval(cfg)
-
-
-def eval_clients(cfg: DictConfig) -> str:
-    """``eval.clients`` (none when the config has no eval section)."""
-    return str(enum_value(cfg.eval.clients)) if cfg.get("eval") is not None else "none"
-
-
-def check_eval(cfg: DictConfig) -> None:
-    """The eval section: sane values, and no key that acts only with per-client evaluation set without it."""
-    from fl_platform.config import EvalConf
-
-    if cfg.get("eval") is None:
-        return
-    ev, base = cfg.eval, EvalConf()
-    if not 0.0 < ev.local_test_fraction < 1.0:
-        raise ConfigError(f"eval.local_test_fraction must be in (0, 1), got {ev.local_test_fraction}")
-    if ev.finetune_steps < 0:
-        raise ConfigError(f"eval.finetune_steps must be >= 0, got {ev.finetune_steps}")
-    if eval_clients(cfg) == "none":
-        why = "it acts only with per-client evaluation, and eval.clients=none (set eval.clients=all or sample)"
-        refuse_inactive("eval", ev, base, {"local_test_fraction": why, "finetune_steps": why})
 
 
 def check_keys_and_plugins(cfg: DictConfig) -> None:
@@ -216,23 +191,6 @@ def check_effective(cfg: DictConfig) -> None:
         refuse_inactive("system", system, SystemConf(), system.inactive_fields())
     if cfg.get("privacy") is not None:
         check_privacy_keys(cfg, spec, alg)
-    if cfg.get("server_opt") is not None:
-        from fl_platform.algorithms.server_opt import ServerOptConf, check_server_opt
-
-        opt = server_opt_conf(cfg)
-        refuse_inactive("server_opt", opt, ServerOptConf(), opt.inactive_fields())
-        try:
-            check_server_opt(opt, spec.server, algorithm_name(cfg))
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-
-
-def server_opt_conf(cfg: DictConfig) -> Any:
-    """The ``server_opt`` section as its dataclass (None when the config has none)."""
-    from fl_platform.algorithms.server_opt import ServerOptConf
-
-    node = cfg.get("server_opt")
-    return None if node is None else OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ServerOptConf), node))
 
 
 def check_privacy_keys(cfg: DictConfig, spec: Any, alg: Any) -> None:
@@ -279,15 +237,12 @@ def algorithm_conf(cfg: DictConfig):
 
 def load_data(cfg: DictConfig) -> FederatedDataset:
     ds = cfg.dataset
-    data = build_federated_dataset(
+    return build_federated_dataset(
         ds.name, num_clients=cfg.num_clients, partition_name=cfg.partition.name, seed=cfg.seed,
         root=ds.root, download=ds.download,
         source_options=options_of(ds, exclude=("name", "root", "download", "augment")),
         partition_options=options_of(cfg.partition), augment=options_of(ds.augment, exclude=()),
     )
-    if eval_clients(cfg) != "none":  # each client's local test split, held out of its training rows
-        data = data.with_local_test(cfg.eval.local_test_fraction, cfg.seed)
-    return data
 
 
 def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
@@ -309,6 +264,12 @@ def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
     check_model_input(model.name, model.input_shape, model.num_classes, data.train_dtype,
                       dataset=cfg.dataset.name, stages_for=algorithm_name(cfg) if spec.staged_model else None,
                       **model.options)
+    train = train_config(cfg)
+    try:  # the step's options this data and engine cannot apply (the device's: LocalTrainer)
+        check_image_inputs(train, model.input_shape, data.train_dtype.is_floating_point)
+        check_cohort_options(train, parse_cohort_size(cfg.engine.cohort_size))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     plugins.note_in_use(user_code)
     engine = cfg.engine
     threads = engine.threads_per_worker or max(1, int(engine.cpus_per_worker))
@@ -325,9 +286,7 @@ def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
         compressor=OmegaConf.to_container(cfg.compressor, resolve=True) if cfg.get("compressor") else None,
         system=build_system(cfg.get("system"), cfg.seed),
         privacy=resolved_privacy(cfg),
-        server_opt=server_opt_conf(cfg),
         import_roots=plugins.import_roots(user_code),
-        finetune_steps=int(cfg.eval.finetune_steps) if eval_clients(cfg) != "none" else 0,
     )
 
 
@@ -425,8 +384,6 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
                                  num_clients=cfg.num_clients, clients_per_round=cfg.clients_per_round,
                                  rounds=cfg.rounds, seed=cfg.seed)
     engine = make_engine(cfg, setup)
-    report_workers(engine, rd)
-    warn_unbalanced(cfg, setup, engine.num_workers, sampling_of(setup.privacy))
     if engine.eval_device is not None and engine.eval_device != eval_model.device:
         # The Ray engine decided where the driver evaluates (a GPU share it holds): the same model there.
         # Its weights come from the server at every evaluation; its construction draws no run RNG.
@@ -434,44 +391,18 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
             eval_model = FlatModel(setup.model(), engine.eval_device)
     loop = LoopConfig(seed=cfg.seed, rounds=cfg.rounds, clients_per_round=cfg.clients_per_round,
                       eval_every=cfg.eval_every, eval_batch_size=cfg.eval_batch_size,
-                      sampling=sampling_of(setup.privacy), nonfinite=setup.nonfinite)
+                      sampling=sampling_of(setup.privacy))
     sim = Simulation(loop, data, server, engine, eval_model,
                      metrics=MetricsLog(rd.metrics) if rd is not None else None, reporter=reporter,
                      checkpointer=checkpointer if cfg.checkpoint_every > 0 else None)
     sim.system = setup.system
     sim.privacy = privacy
-    if eval_clients(cfg) != "none":
-        sim.client_eval = ClientEvaluation(eval_clients(cfg), data.num_clients,
-                                           rd.path / CLIENT_METRICS if rd is not None else None)
     try:
         sim.restore(ckpt)
     except BaseException:
         engine.close()
         raise
     return Experiment(cfg, data, setup, sim, engine, rd)
-
-
-def warn_unbalanced(cfg: DictConfig, setup: ExperimentSetup, num_workers: int, sampling: str) -> None:
-    """Warn at start-up when the rounds' clients are too few per worker to keep the workers busy."""
-    rounds = range(min(cfg.rounds, 10))
-    sets = [sample_clients(cfg.seed, r, cfg.num_clients, cfg.clients_per_round, sampling) for r in rounds]
-    message = balance_warning(sets, setup.dataset.client_sizes(), setup.train, num_workers)
-    if message is not None:
-        log.warning("%s", message)
-
-
-def report_workers(engine: Engine, rd: RunDir | None) -> None:
-    """Say where everything runs: one table (worker, node, device, Ray's GPU ids, share, torch, CUDA) in the
-    log at start-up, the same rows in ``run.json``'s ``workers``."""
-    rows = engine.describe_workers()
-    log.info("workers:\n%s", workers_table(rows))
-    if rd is not None:
-        run_json = rd.path / "run.json"
-        try:
-            info = json.loads(run_json.read_text()) if run_json.exists() else {}
-        except ValueError:  # a torn file from another tool: rewritten whole
-            info = {}
-        atomic_write_json(run_json, {**info, "workers": rows})
 
 
 # Keys that may differ between a checkpointed run and its resumption: they do not change results.

@@ -29,9 +29,7 @@ import torch
 from omegaconf import OmegaConf
 
 from fl_platform.algorithms.registry import algorithm_names, get_algorithm
-from fl_platform.algorithms.server_opt import ServerOptConf
 from fl_platform.compression.registry import compressor_schemas
-from fl_platform.config import EvalConf
 from fl_platform.experiment import build
 from fl_platform.privacy.config import PrivacyConf
 from fl_platform.system.config import DistConf, SystemConf
@@ -52,7 +50,6 @@ GENERATOR = (*SMALL_CNN, "rounds=1", "algorithm.cache_dir=null", "algorithm.epoc
 # acts from the second round on: server momentum, schedules, error feedback).
 ALGORITHM_BASES: dict[str, tuple[str, ...]] = {
     "fedavg": MLP, "fedprox": MLP, "scaffold": MLP, "fednova": MLP,
-    "feddyn": MLP, "moon": MLP,
     "fedimpro": ("model=mlp", "model.hidden=[8,8]"),
     "vhl": (*SMALL_CNN, "algorithm.virtual_batch_size=4", "algorithm.samples_per_class=2",
             "algorithm.generator_channels=4", "algorithm.style_dim=4"),
@@ -63,9 +60,6 @@ ALGORITHM_BASES: dict[str, tuple[str, ...]] = {
                       "algorithm.server_fraction=0.2", "algorithm.lr=0.05"),
     "oneshot_dense": GENERATOR, "oneshot_coboost": GENERATOR,
     "fusefl": (*SMALL_CNN, "rounds=3", "algorithm.blocks=2", "algorithm.sample_per_class=20"),
-    # personalised: BatchNorm for FedBN; Ditto's lam shapes only the personal models per-client evaluation reads
-    "fedbn": SMALL_CNN, "fedper": MLP, "fedrep": (*MLP, "algorithm.head_epochs=1"),
-    "ditto": (*MLP, "eval.clients=all"),
 }
 
 
@@ -394,7 +388,11 @@ def test_trace_assign_is_refused_when_every_trace_row_names_its_client(tmp_path)
 
 TRAIN_BASES = {"sgd": (), "adam": ("train.optimizer=adam", "train.lr=0.01")}
 TRAIN_PERTURB: dict[str, Any] = {"steps": 3, "clip_norm": 0.01, "sgd.optimizer": "adam", "adam.optimizer": "sgd",
-                                 "sgd.nesterov": Perturb(True, {"momentum": 0.5})}
+                                 "sgd.nesterov": Perturb(True, {"momentum": 0.5}), "precision": "bf16"}
+# The same computation, compiled: equal to the eager run within float rounding, so a changed result would
+# prove nothing (and compiling takes minutes here). tests/test_training.py checks that the forward is
+# compiled, before the first round, and trains as eager does.
+TRAIN_ALLOW = {"compile": "torch.compile of the same forward"}
 
 
 @pytest.mark.parametrize(("base", "name", "default"),
@@ -403,55 +401,7 @@ def test_every_train_field_changes_the_run_or_is_refused(base, name, default):
     overrides = (*TINY, *MLP, "rounds=1", *TRAIN_BASES[base])
     current = OmegaConf.select(_base(overrides), f"train.{name}")
     spec = TRAIN_PERTURB.get(f"{base}.{name}", TRAIN_PERTURB.get(name, _generic(current)))
-    check_key(overrides, "train", name, f"train({base})", spec)
-
-
-# ---------------------------------------------------------------- per-client evaluation
-
-
-EVAL_BASES = {"none": (), "all": ("eval.clients=all",)}
-# From none: per-client evaluation on (new row fields); from all: off again (the local test rows train too).
-EVAL_PERTURB: dict[str, Any] = {"none.clients": "all", "all.clients": "none"}
-
-
-@pytest.mark.parametrize(("base", "name", "default"),
-                         [pytest.param(b, n, d, id=f"{b}-{n}") for b in EVAL_BASES for n, d in _fields(EvalConf)])
-def test_every_eval_field_changes_the_run_or_is_refused(base, name, default):
-    """eval.clients=none refuses the fields that only per-client evaluation reads; with it they act."""
-    overrides = (*TINY, *MLP, *EVAL_BASES[base])
-    current = OmegaConf.select(_base(overrides), f"eval.{name}")
-    spec = EVAL_PERTURB.get(f"{base}.{name}", _generic(current))
-    check_key(overrides, "eval", name, f"eval({base})", spec)
-
-
-# ---------------------------------------------------------------- server optimisers
-
-
-SERVER_OPT_BASES = ("none", "adam", "yogi", "adagrad")
-
-
-@pytest.mark.parametrize(("base", "name", "default"),
-                         [pytest.param(b, n, d, id=f"{b}-{n}") for b in SERVER_OPT_BASES
-                          for n, d in _fields(ServerOptConf)])
-def test_every_server_opt_field_changes_the_run_or_is_refused(base, name, default):
-    """server_opt=none refuses every field; adam's and yogi's act; adagrad refuses beta2 (no decay)."""
-    overrides = (*TINY, *MLP, f"server_opt={base}")
-    current = OmegaConf.select(_base(overrides), f"server_opt.{name}")
-    check_key(overrides, "server_opt", name, f"server_opt={base}", _generic(current))
-
-
-@pytest.mark.parametrize("algorithm", algorithm_names())
-def test_every_algorithm_runs_with_a_server_optimiser_or_refuses_it(algorithm):
-    """server_opt=yogi acts on every algorithm whose server step takes a pseudo-gradient, and is refused,
-    naming it, by the others (one-shot, FuseFL, FedDyn)."""
-    overrides = (*TINY, f"algorithm={algorithm}", *ALGORITHM_BASES[algorithm])
-    reference = _reference(overrides, "", {})
-    try:
-        result = _run(_base((*overrides, "server_opt=yogi")))
-    except (ValueError, NotImplementedError) as err:
-        assert "server_opt=yogi" in str(err)
-        return
-    assert _differs(result, reference)
+    check_key(overrides, "train", name, f"train({base})", None if name in TRAIN_ALLOW else spec)
 
 
 # ---------------------------------------------------------------- privacy

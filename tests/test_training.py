@@ -163,3 +163,106 @@ def test_hooks_compose_and_correct_gradients():
 
     with pytest.raises(ValueError, match="only one hook may replace the loss"):
         ComposedHooks(LossA(), LossA())
+
+
+# ------------------------------------------------------------------ the step's options (docs/engine.md "The step")
+
+
+def _image_clients(channels: int = 3, n: int = 30) -> ClientData:
+    g = torch.Generator().manual_seed(2)
+    return ClientData(torch.randn(n, channels, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g),
+                      torch.arange(n))
+
+
+def _cnn(channels: int = 3, name: str = "cnn") -> FlatModel:
+    from fl_platform.models import build_model
+
+    torch.manual_seed(0)
+    return FlatModel(build_model(name, (channels, 8, 8), 10))
+
+
+def _trained(fm: FlatModel, cfg: TrainConfig, data: ClientData) -> torch.Tensor:
+    LocalTrainer(fm, cfg).fit(data, seed=0, round=0, client=0)
+    return fm.vector.detach().clone()
+
+
+def test_bf16_runs_the_forward_in_bf16_and_trains_like_fp32():
+    """Autocast: every Conv2d/Linear output is bf16 during the fit, parameters and the step stay fp32,
+    and the trained vector is fp32's within bf16 rounding (but not equal to it)."""
+    dtypes = set()
+    fm = _cnn()
+    for m in fm.model.modules():
+        if isinstance(m, nn.Conv2d | nn.Linear):
+            m.register_forward_hook(lambda _m, _i, out: dtypes.add(out.dtype))
+    cfg = TrainConfig(epochs=2, batch_size=8, lr=0.05)
+    bf16 = _trained(fm, TrainConfig(**{**cfg.__dict__, "precision": "bf16"}), _image_clients())
+    assert dtypes == {torch.bfloat16}
+    assert fm.vector.dtype == torch.float32
+    fp32 = _trained(_cnn(), cfg, _image_clients())
+    diff = float((bf16 - fp32).abs().max())
+    assert 0 < diff < 0.02, diff
+
+
+def test_fp16_is_refused_without_cuda_and_its_scaler_recomputes_an_overflow():
+    with pytest.raises(ValueError, match=r"train\.precision=fp16 needs a CUDA device"):
+        LocalTrainer(FlatModel(_mlp()), TrainConfig(precision="fp16"))
+    with pytest.raises(ValueError, match=r"train\.precision must be one of fp32, bf16, fp16; got 'fp8'"):
+        LocalTrainer(FlatModel(_mlp()), TrainConfig(precision="fp8"))
+    from fl_platform.training.step import LossScaler
+
+    scaler = LossScaler(init_scale=8.0, interval=2)
+    assert float(scaler.scaled(torch.tensor(1.5))) == 12.0
+    grad = torch.tensor([8.0, float("inf")])
+    assert not scaler.unscale(grad) and scaler.scale == 4.0  # overflowed: again, at half the scale
+    grad = torch.tensor([8.0, -4.0])
+    assert scaler.unscale(grad) and grad.tolist() == [2.0, -1.0]
+    assert scaler.unscale(torch.tensor([4.0])) and scaler.scale == 8.0  # 2 good steps: doubled
+    last = LossScaler(init_scale=1.0)
+    assert last.unscale(torch.tensor([float("nan")])) and last.scale == 1.0  # at scale 1: final (NonFiniteError)
+
+
+def test_channels_last_lays_out_the_convolutions_inputs_and_is_refused_where_it_cannot_act():
+    from fl_platform.training.step import check_cohort_options, check_image_inputs
+
+    seen = []
+    fm = _cnn()
+    conv = next(m for m in fm.model.modules() if isinstance(m, nn.Conv2d))
+    conv.register_forward_hook(lambda _m, inputs, _o: seen.append(
+        inputs[0].is_contiguous(memory_format=torch.channels_last) and not inputs[0].is_contiguous()))
+    cfg = TrainConfig(epochs=1, batch_size=8, lr=0.05)
+    fast = _trained(fm, TrainConfig(**{**cfg.__dict__, "channels_last": True}), _image_clients())
+    assert seen and all(seen)
+    torch.testing.assert_close(fast, _trained(_cnn(), cfg, _image_clients()), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"train\.channels_last=True has no effect: the model \(Sequential\)"):
+        LocalTrainer(FlatModel(_mlp()), TrainConfig(channels_last=True))
+    with pytest.raises(ValueError, match=r"train\.channels_last=True needs image samples .* shape \(64,\)"):
+        check_image_inputs(TrainConfig(channels_last=True), (64,), True)
+    for key, value in (("channels_last", True), ("compile", True), ("precision", "fp16")):
+        with pytest.raises(ValueError, match=rf"train\.{key}={value} cannot apply with engine.cohort_size=auto"):
+            check_cohort_options(TrainConfig(**{key: value}), "auto")
+    check_cohort_options(TrainConfig(precision="bf16"), 8)  # bf16 works in cohorts
+
+
+@pytest.mark.slow
+def test_compile_compiles_the_forward_before_the_first_round_and_trains_as_eager():
+    """``train.compile``: the model's forward is compiled (forward and backward graphs, full and short
+    batches) when the trainer is made, so no fit compiles (the round timings do not include it), and
+    training equals the eager loop's within float rounding."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from fl_platform.models import build_model
+
+    torch.manual_seed(0)
+    fm = FlatModel(build_model("mlp", (5,), 3, hidden=[8]))
+    eager = FlatModel(build_model("mlp", (5,), 3, hidden=[8]))
+    eager.load(fm.vector.detach().clone())
+    cfg = TrainConfig(epochs=2, batch_size=8, lr=0.1)
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    trainer = LocalTrainer(fm, TrainConfig(**{**cfg.__dict__, "compile": True}))
+    compiled = dynamo_utils.counters["stats"]["unique_graphs"] - graphs
+    assert compiled >= 1
+    data = _data(n=30)  # 3 full batches and a short one per epoch
+    trainer.fit(data, seed=0, round=0, client=0)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] - graphs == compiled  # nothing compiled in the fit
+    LocalTrainer(eager, cfg).fit(data, seed=0, round=0, client=0)
+    torch.testing.assert_close(fm.vector, eager.vector, rtol=0, atol=1e-5)

@@ -427,3 +427,37 @@ def test_the_batched_matmul_and_grouped_conv_step_equals_the_vmapped_step(model,
             torch.testing.assert_close(got, g[slot.name].reshape(k, slot.numel), rtol=0, atol=1e-6)
         torch.testing.assert_close(loss, vloss, rtol=0, atol=1e-6)
         assert torch.equal(hits, vhits)
+
+
+# ------------------------------------------------------------------ the step's options
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_bf16_cohort_equals_the_bf16_loop(name):
+    """train.precision=bf16 in the cohort step: the loop's bf16 results (autocast in both), which are
+    not fp32's."""
+    fm = FlatModel(_model(name))
+    cfg = TrainConfig(epochs=2, batch_size=5, lr=0.05, precision="bf16")
+    _, res = _compare_fit(fm, cfg, _data(), [None] * len(SIZES), tol=1e-6)
+    fp32 = CohortTrainer(fm, TrainConfig(epochs=2, batch_size=5, lr=0.05))
+    start = fm.vector.detach().clone()
+    ref = fp32.fit([CohortMember(c, d, start) for c, d in enumerate(_data())], seed=3, round=2)
+    assert max(float((a.vector - b.vector).abs().max()) for a, b in zip(res, ref)) > 1e-4
+
+
+def test_bf16_batchnorm_cohort_is_not_vectorisable():
+    """BatchNorm's vmap rule takes no bf16 input beside fp32 statistics: probed at the run's precision,
+    so the engine trains such clients one by one (with the reason logged) instead of failing mid-round."""
+    fm = FlatModel(_model("cnn", norm="batch"))
+    cohort = CohortTrainer(fm, TrainConfig(epochs=1, batch_size=5, precision="bf16"))
+    data = _data()[0]
+    assert "cannot be vmapped" in cohort.unsupported_reason(data.x, data.y)
+    assert CohortTrainer(fm, TrainConfig(epochs=1, batch_size=5)).unsupported_reason(data.x, data.y) is None
+
+
+def test_cohort_refuses_step_options_it_cannot_apply():
+    fm = FlatModel(_model("cnn"))
+    with pytest.raises(ValueError, match=r"train\.compile=True cannot apply with engine.cohort_size"):
+        CohortTrainer(fm, TrainConfig(compile=True))
+    with pytest.raises(ConfigError, match=r"train\.channels_last=True cannot apply with engine.cohort_size=4"):
+        build(compose_config("model=cnn", "engine.cohort_size=4", "train.channels_last=true", "rounds=1"))

@@ -47,6 +47,7 @@ from fl_platform.training.functional import (
 )
 from fl_platform.training.hooks import TrainHooks
 from fl_platform.training.loop import ClientData, NonFiniteError, TrainConfig, shuffle_keys
+from fl_platform.training.step import autocast, check_cohort_options, to_device
 
 __all__ = [
     "CohortMember",
@@ -122,6 +123,7 @@ class CohortTrainer:
     """
 
     def __init__(self, fm: FlatModel, cfg: TrainConfig) -> None:
+        check_cohort_options(cfg, "auto")  # (any size but 1)
         self.fm = fm
         self.cfg = cfg
         self.fn = FunctionalModel(fm)
@@ -134,7 +136,8 @@ class CohortTrainer:
     def unsupported_reason(self, x: torch.Tensor, y: torch.Tensor) -> str | None:
         """Why this model cannot be trained as a cohort (None: it can); probed once, on ``x``/``y``."""
         if not self._probed:
-            self._reason = self.fn.unsupported_reason(x, y)
+            with autocast(self.cfg, self.fm.device):  # probed at the run's precision (bf16: every op's rule)
+                self._reason = self.fn.unsupported_reason(x, y)
             self._probed = True
         return self._reason
 
@@ -175,7 +178,7 @@ class CohortTrainer:
 
         plan = _Schedule.of(members, cfg)
         ordered = [members[int(i)] for i in plan.order]
-        terms = [t.select(torch.from_numpy(plan.order).to(fm.device)) for t in terms]
+        terms = [t.select(to_device(torch.from_numpy(plan.order), fm.device)) for t in terms]
         device, k_all, bs = fm.device, len(ordered), cfg.batch_size
         starts = [m.start for m in ordered]
         if all(s is starts[0] for s in starts):
@@ -204,6 +207,11 @@ class CohortTrainer:
         correct = torch.zeros(k_all, dtype=torch.long, device=device)
         seen = np.zeros(k_all, dtype=np.int64)
         cols = torch.arange(bs, device=device)
+        # What each step indexes with, on the device once per fit: the rows' samples and steps per
+        # epoch (the step's batch offsets and sizes are computed from them there). The host keeps
+        # its numpy copies for the control flow (how many rows train, the widest batch).
+        sizes_dev = to_device(torch.from_numpy(plan.sizes), device)
+        per_epoch_dev = to_device(torch.from_numpy(np.maximum(plan.per_epoch, 1)), device)
         aug_keys = aug.client_keys(seed, round, [m.client_id for m in ordered], device) if aug is not None else None
 
         for s in range(int(plan.steps.max(initial=0))):
@@ -213,19 +221,22 @@ class CohortTrainer:
             first = (s % plan.per_epoch[:k]) * bs
             batch = np.minimum(bs, plan.sizes[:k] - first)
             b = int(batch.max())
-            pos = (torch.from_numpy(first).to(device)[:, None] + cols[:b]).clamp_(max=width - 1)
+            first_dev = (s % per_epoch_dev[:k]) * bs
+            batch_dev = torch.clamp(sizes_dev[:k] - first_dev, max=bs)
+            pos = (first_dev[:, None] + cols[:b]).clamp_(max=width - 1)
             idx = shuffled[:k].gather(1, pos)
             rows = params[:k]
             live = {name: t[:k] for name, t in buffers.items()}
             augment = (aug, aug_keys[:k], s) if aug is not None else None
-            if int(batch.min()) == b:
-                g, loss, hits = fn.grads(rows, live, *self._gather(x, y, idx, augment))
-            elif fn.can_pad:
-                valid = cols[:b] < torch.from_numpy(batch).to(device)[:, None]
-                idx = torch.where(valid, idx, idx[:, :1])
-                g, loss, hits = fn.grads(rows, live, *self._gather(x, y, idx, augment), valid.to(rows.dtype))
-            else:
-                g, loss, hits = self._grads_by_batch_size(rows, live, x, y, idx, batch, augment)
+            with autocast(cfg, device):
+                if int(batch.min()) == b:
+                    g, loss, hits = fn.grads(rows, live, *self._gather(x, y, idx, augment))
+                elif fn.can_pad:
+                    valid = cols[:b] < batch_dev[:, None]
+                    idx = torch.where(valid, idx, idx[:, :1])
+                    g, loss, hits = fn.grads(rows, live, *self._gather(x, y, idx, augment), valid.to(rows.dtype))
+                else:
+                    g, loss, hits = self._grads_by_batch_size(rows, live, x, y, idx, batch, augment)
             slots = layout.views(params, k)
             for term in terms:
                 term.apply(g, slots, layout, k)
@@ -234,7 +245,7 @@ class CohortTrainer:
             if fn.frozen:
                 slots, g = [slots[i] for i in trainable], [g[i] for i in trainable]
             self.optimizer.step(s, slots, g)
-            loss_sum[:k] += loss.detach() * torch.from_numpy(batch).to(device, loss.dtype)
+            loss_sum[:k] += loss.detach().float() * batch_dev
             correct[:k] += hits
             seen[:k] += batch
 
@@ -325,9 +336,10 @@ class CohortTrainer:
         ends = np.cumsum(counts)
         cols = np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)
         device = shuffled.device
-        source = torch.cat(perms).to(device) + torch.from_numpy(np.repeat(plan.first_own[rows], counts)).to(device)
-        shuffled[torch.from_numpy(np.repeat(rows, counts)).to(device),
-                 torch.from_numpy(cols).to(device)] = own_rows[source]
+        host = torch.stack([torch.cat(perms) + torch.from_numpy(np.repeat(plan.first_own[rows], counts)),
+                            torch.from_numpy(np.repeat(rows, counts)), torch.from_numpy(cols)])
+        source, at_row, at_col = to_device(host, device)  # one asynchronous copy
+        shuffled[at_row, at_col] = own_rows[source]
 
     @staticmethod
     def _gather(x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor,
@@ -360,7 +372,7 @@ class CohortTrainer:
         loss = rows.new_empty(k)
         hits = torch.empty(k, dtype=torch.long, device=rows.device)
         for b in np.unique(batch):
-            sel = torch.from_numpy(np.nonzero(batch == b)[0]).to(rows.device)
+            sel = to_device(torch.from_numpy(np.nonzero(batch == b)[0]), rows.device)
             sub = {name: t.index_select(0, sel) for name, t in buffers.items()}
             part = None if augment is None else (augment[0], augment[1][sel], augment[2])
             gs, ls, hs = self.fn.grads(rows.index_select(0, sel), sub, *self._gather(x, y, idx[sel, : int(b)], part))
