@@ -191,6 +191,23 @@ def check_effective(cfg: DictConfig) -> None:
         refuse_inactive("system", system, SystemConf(), system.inactive_fields())
     if cfg.get("privacy") is not None:
         check_privacy_keys(cfg, spec, alg)
+    if cfg.get("server_opt") is not None:
+        from fl_platform.algorithms.server_opt import ServerOptConf, check_server_opt
+
+        opt = server_opt_conf(cfg)
+        refuse_inactive("server_opt", opt, ServerOptConf(), opt.inactive_fields())
+        try:
+            check_server_opt(opt, spec.server, algorithm_name(cfg))
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
+def server_opt_conf(cfg: DictConfig) -> Any:
+    """The ``server_opt`` section as its dataclass (None when the config has none)."""
+    from fl_platform.algorithms.server_opt import ServerOptConf
+
+    node = cfg.get("server_opt")
+    return None if node is None else OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ServerOptConf), node))
 
 
 def check_privacy_keys(cfg: DictConfig, spec: Any, alg: Any) -> None:
@@ -286,6 +303,7 @@ def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
         compressor=OmegaConf.to_container(cfg.compressor, resolve=True) if cfg.get("compressor") else None,
         system=build_system(cfg.get("system"), cfg.seed),
         privacy=resolved_privacy(cfg),
+        server_opt=server_opt_conf(cfg),
         import_roots=plugins.import_roots(user_code),
     )
 
@@ -391,7 +409,7 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
             eval_model = FlatModel(setup.model(), engine.eval_device)
     loop = LoopConfig(seed=cfg.seed, rounds=cfg.rounds, clients_per_round=cfg.clients_per_round,
                       eval_every=cfg.eval_every, eval_batch_size=cfg.eval_batch_size,
-                      sampling=sampling_of(setup.privacy))
+                      sampling=sampling_of(setup.privacy), nonfinite=setup.nonfinite)
     sim = Simulation(loop, data, server, engine, eval_model,
                      metrics=MetricsLog(rd.metrics) if rd is not None else None, reporter=reporter,
                      checkpointer=checkpointer if cfg.checkpoint_every > 0 else None)

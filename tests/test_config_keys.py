@@ -29,6 +29,7 @@ import torch
 from omegaconf import OmegaConf
 
 from fl_platform.algorithms.registry import algorithm_names, get_algorithm
+from fl_platform.algorithms.server_opt import ServerOptConf
 from fl_platform.compression.registry import compressor_schemas
 from fl_platform.experiment import build
 from fl_platform.privacy.config import PrivacyConf
@@ -50,6 +51,7 @@ GENERATOR = (*SMALL_CNN, "rounds=1", "algorithm.cache_dir=null", "algorithm.epoc
 # acts from the second round on: server momentum, schedules, error feedback).
 ALGORITHM_BASES: dict[str, tuple[str, ...]] = {
     "fedavg": MLP, "fedprox": MLP, "scaffold": MLP, "fednova": MLP,
+    "feddyn": MLP, "moon": MLP,
     "fedimpro": ("model=mlp", "model.hidden=[8,8]"),
     "vhl": (*SMALL_CNN, "algorithm.virtual_batch_size=4", "algorithm.samples_per_class=2",
             "algorithm.generator_channels=4", "algorithm.style_dim=4"),
@@ -402,6 +404,36 @@ def test_every_train_field_changes_the_run_or_is_refused(base, name, default):
     current = OmegaConf.select(_base(overrides), f"train.{name}")
     spec = TRAIN_PERTURB.get(f"{base}.{name}", TRAIN_PERTURB.get(name, _generic(current)))
     check_key(overrides, "train", name, f"train({base})", None if name in TRAIN_ALLOW else spec)
+
+
+# ---------------------------------------------------------------- server optimisers
+
+
+SERVER_OPT_BASES = ("none", "adam", "yogi", "adagrad")
+
+
+@pytest.mark.parametrize(("base", "name", "default"),
+                         [pytest.param(b, n, d, id=f"{b}-{n}") for b in SERVER_OPT_BASES
+                          for n, d in _fields(ServerOptConf)])
+def test_every_server_opt_field_changes_the_run_or_is_refused(base, name, default):
+    """server_opt=none refuses every field; adam's and yogi's act; adagrad refuses beta2 (no decay)."""
+    overrides = (*TINY, *MLP, f"server_opt={base}")
+    current = OmegaConf.select(_base(overrides), f"server_opt.{name}")
+    check_key(overrides, "server_opt", name, f"server_opt={base}", _generic(current))
+
+
+@pytest.mark.parametrize("algorithm", algorithm_names())
+def test_every_algorithm_runs_with_a_server_optimiser_or_refuses_it(algorithm):
+    """server_opt=yogi acts on every algorithm whose server step takes a pseudo-gradient, and is refused,
+    naming it, by the others (one-shot, FuseFL, FedDyn)."""
+    overrides = (*TINY, f"algorithm={algorithm}", *ALGORITHM_BASES[algorithm])
+    reference = _reference(overrides, "", {})
+    try:
+        result = _run(_base((*overrides, "server_opt=yogi")))
+    except (ValueError, NotImplementedError) as err:
+        assert "server_opt=yogi" in str(err)
+        return
+    assert _differs(result, reference)
 
 
 # ---------------------------------------------------------------- privacy
