@@ -27,6 +27,7 @@ from fl_platform.privacy.config import sampling_of
 from fl_platform.privacy.setup import resolved_privacy, server_privacy_for
 from fl_platform.reporting import Reporter
 from fl_platform.rounds.checkpoint import Checkpointer
+from fl_platform.rounds.client_eval import CLIENT_METRICS, ClientEvaluation
 from fl_platform.rounds.engine import Engine
 from fl_platform.rounds.setup import ExperimentSetup, ModelFactory, resolve_device
 from fl_platform.rounds.simulation import LoopConfig, Simulation
@@ -106,6 +107,28 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} {message}")
     check_keys_and_plugins(cfg)
     check_effective(cfg)
+    check_eval(cfg)
+
+
+def eval_clients(cfg: DictConfig) -> str:
+    """``eval.clients`` (none when the config has no eval section)."""
+    return str(enum_value(cfg.eval.clients)) if cfg.get("eval") is not None else "none"
+
+
+def check_eval(cfg: DictConfig) -> None:
+    """The eval section: sane values, and no key that acts only with per-client evaluation set without it."""
+    from fl_platform.config import EvalConf
+
+    if cfg.get("eval") is None:
+        return
+    ev, base = cfg.eval, EvalConf()
+    if not 0.0 < ev.local_test_fraction < 1.0:
+        raise ConfigError(f"eval.local_test_fraction must be in (0, 1), got {ev.local_test_fraction}")
+    if ev.finetune_steps < 0:
+        raise ConfigError(f"eval.finetune_steps must be >= 0, got {ev.finetune_steps}")
+    if eval_clients(cfg) == "none":
+        why = "it acts only with per-client evaluation, and eval.clients=none (set eval.clients=all or sample)"
+        refuse_inactive("eval", ev, base, {"local_test_fraction": why, "finetune_steps": why})
 
 
 def check_keys_and_plugins(cfg: DictConfig) -> None:
@@ -254,12 +277,15 @@ def algorithm_conf(cfg: DictConfig):
 
 def load_data(cfg: DictConfig) -> FederatedDataset:
     ds = cfg.dataset
-    return build_federated_dataset(
+    data = build_federated_dataset(
         ds.name, num_clients=cfg.num_clients, partition_name=cfg.partition.name, seed=cfg.seed,
         root=ds.root, download=ds.download,
         source_options=options_of(ds, exclude=("name", "root", "download", "augment")),
         partition_options=options_of(cfg.partition), augment=options_of(ds.augment, exclude=()),
     )
+    if eval_clients(cfg) != "none":  # each client's local test split, held out of its training rows
+        data = data.with_local_test(cfg.eval.local_test_fraction, cfg.seed)
+    return data
 
 
 def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
@@ -305,6 +331,7 @@ def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
         privacy=resolved_privacy(cfg),
         server_opt=server_opt_conf(cfg),
         import_roots=plugins.import_roots(user_code),
+        finetune_steps=int(cfg.eval.finetune_steps) if eval_clients(cfg) != "none" else 0,
     )
 
 
@@ -415,6 +442,9 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
                      checkpointer=checkpointer if cfg.checkpoint_every > 0 else None)
     sim.system = setup.system
     sim.privacy = privacy
+    if eval_clients(cfg) != "none":
+        sim.client_eval = ClientEvaluation(eval_clients(cfg), data.num_clients,
+                                           rd.path / CLIENT_METRICS if rd is not None else None)
     try:
         sim.restore(ckpt)
     except BaseException:

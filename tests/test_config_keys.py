@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 from fl_platform.algorithms.registry import algorithm_names, get_algorithm
 from fl_platform.algorithms.server_opt import ServerOptConf
 from fl_platform.compression.registry import compressor_schemas
+from fl_platform.config import EvalConf
 from fl_platform.experiment import build
 from fl_platform.privacy.config import PrivacyConf
 from fl_platform.system.config import DistConf, SystemConf
@@ -62,6 +63,9 @@ ALGORITHM_BASES: dict[str, tuple[str, ...]] = {
                       "algorithm.server_fraction=0.2", "algorithm.lr=0.05"),
     "oneshot_dense": GENERATOR, "oneshot_coboost": GENERATOR,
     "fusefl": (*SMALL_CNN, "rounds=3", "algorithm.blocks=2", "algorithm.sample_per_class=20"),
+    # personalised: BatchNorm for FedBN; Ditto's lam shapes only the personal models per-client evaluation reads
+    "fedbn": SMALL_CNN, "fedper": MLP, "fedrep": (*MLP, "algorithm.head_epochs=1"),
+    "ditto": (*MLP, "eval.clients=all"),
 }
 
 
@@ -434,6 +438,24 @@ def test_every_algorithm_runs_with_a_server_optimiser_or_refuses_it(algorithm):
         assert "server_opt=yogi" in str(err)
         return
     assert _differs(result, reference)
+
+
+# ---------------------------------------------------------------- per-client evaluation
+
+
+EVAL_BASES = {"none": (), "all": ("eval.clients=all",)}
+# From none: per-client evaluation on (new row fields); from all: off again (the local test rows train too).
+EVAL_PERTURB: dict[str, Any] = {"none.clients": "all", "all.clients": "none"}
+
+
+@pytest.mark.parametrize(("base", "name", "default"),
+                         [pytest.param(b, n, d, id=f"{b}-{n}") for b in EVAL_BASES for n, d in _fields(EvalConf)])
+def test_every_eval_field_changes_the_run_or_is_refused(base, name, default):
+    """eval.clients=none refuses the fields that only per-client evaluation reads; with it they act."""
+    overrides = (*TINY, *MLP, *EVAL_BASES[base])
+    current = OmegaConf.select(_base(overrides), f"eval.{name}")
+    spec = EVAL_PERTURB.get(f"{base}.{name}", _generic(current))
+    check_key(overrides, "eval", name, f"eval({base})", spec)
 
 
 # ---------------------------------------------------------------- privacy
