@@ -18,6 +18,16 @@ from fl_platform.seeding import Stream, seed_torch_global, torch_generator
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.hooks import Batch, TrainHooks
 from fl_platform.training.optim import FlatOptimizer, make_optimizer
+from fl_platform.training.step import (
+    LossScaler,
+    as_channels_last,
+    autocast,
+    check_step_options,
+    compile_model,
+    enable_cudnn_benchmark,
+    restored,
+    to_device,
+)
 
 
 class NonFiniteError(FloatingPointError):
@@ -45,6 +55,13 @@ class TrainConfig:
     # initial model, client sampling and every other draw unchanged (the noise-floor control of
     # docs/results/README.md: a paired rerun that differs only in its shuffling).
     shuffle_offset: int = 0
+    # The step's speed options (fl_platform/training/step.py, docs/engine.md "The step"): the forward
+    # pass under autocast (fp32: none; bf16; fp16: CUDA only, with dynamic loss scaling), 4-D image
+    # minibatches in channels-last layout (models with convolutions), the model's forward compiled
+    # with torch.compile (once per process; plain loop only).
+    precision: str = "fp32"
+    channels_last: bool = False
+    compile: bool = False
 
     def num_steps(self, num_samples: int) -> int:
         if self.steps is not None:
@@ -81,9 +98,31 @@ class LocalTrainer:
     """Owns one FlatModel and trains it for one client at a time."""
 
     def __init__(self, fm: FlatModel, cfg: TrainConfig) -> None:
+        check_step_options(cfg, fm.device, fm.model)
         self.fm = fm
         self.cfg = cfg
         self._optimizers: dict[tuple[int, int], FlatOptimizer] = {}
+        enable_cudnn_benchmark(fm.device)
+        if cfg.compile:
+            compile_model(fm.model)
+            example = getattr(fm.model, "example_input", None)
+            if callable(example):  # compiled now, before any round is timed (else: in the first fit)
+                self._warm_up(example)
+
+    def _warm_up(self, example) -> None:
+        """Compile the forward and backward graphs for a full minibatch and a shorter one (the end of
+        an epoch: the second shape makes the batch axis dynamic, so no later recompilation), leaving
+        the model's values, gradient and buffers as they were."""
+        sizes = dict.fromkeys((self.cfg.batch_size, max(2, self.cfg.batch_size // 2)))
+        model = self.fm.model
+        with restored(self.fm):
+            for b in sizes:
+                x = example(b)
+                if self.cfg.channels_last:
+                    x = as_channels_last(x)
+                with autocast(self.cfg, self.fm.device):
+                    out = model(x)
+                out.float().sum().backward()
 
     def _optimizer_for(self, rng: tuple[int, int]) -> FlatOptimizer:
         opt = self._optimizers.get(rng)
@@ -127,8 +166,9 @@ class LocalTrainer:
         if total_steps > 0 and cfg.drop_last and 0 < n < bs:
             raise ValueError(f"client {client} has {n} samples < train.batch_size={bs} with train.drop_last: "
                              f"it can take none of its train.steps={cfg.steps} steps")
+        scaler = LossScaler() if cfg.precision == "fp16" else None  # per fit: no state across clients
         while step < total_steps and n > 0:
-            order = data.indices[torch.randperm(n, generator=gen).to(data.indices.device)]
+            order = data.indices[to_device(torch.randperm(n, generator=gen), data.indices.device)]
             stop = n - n % bs if cfg.drop_last else n
             for start in range(0, stop, bs):
                 if step >= total_steps:
@@ -137,10 +177,19 @@ class LocalTrainer:
                 xb = data.x.index_select(0, idx)
                 if aug is not None:
                     xb = aug.apply(xb, aug_key, step)
+                if cfg.channels_last:
+                    xb = as_channels_last(xb)
                 batch = Batch(xb, data.y.index_select(0, idx), step, epoch)
-                fm.grad.zero_()
-                loss, logits = hooks.loss(model, batch)
-                loss.backward()
+                while True:  # once, unless fp16's scaled gradient overflowed: then again at half the scale
+                    fm.grad.zero_()
+                    with autocast(cfg, fm.device):
+                        loss, logits = hooks.loss(model, batch)
+                    if scaler is None:
+                        loss.backward()
+                        break
+                    scaler.scaled(loss).backward()
+                    if scaler.unscale(fm.grad):
+                        break
                 hooks.before_step(fm)
                 if cfg.clip_norm is not None:
                     norm = fm.grad.norm()
@@ -149,7 +198,7 @@ class LocalTrainer:
                     opt.step(fm.vector[lo:hi], fm.grad[lo:hi])
                 hooks.after_step(fm, batch)
                 m = idx.numel()
-                loss_sum += loss.detach() * m
+                loss_sum += loss.detach().float() * m
                 correct += (logits.detach().argmax(dim=-1) == batch.y).sum()
                 seen += m
                 step += 1
