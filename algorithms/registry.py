@@ -42,6 +42,7 @@ BUILTIN: dict[str, str] = {
     "oneshot_feddf": "fl_platform.algorithms.oneshot.feddf:SPEC",
     "oneshot_dense": "fl_platform.algorithms.oneshot.dense:SPEC",
     "oneshot_coboost": "fl_platform.algorithms.oneshot.coboost:SPEC",
+    "oneshot_adi": "fl_platform.algorithms.oneshot.adi:SPEC",
     "fusefl": "fl_platform.algorithms.fusefl:SPEC",
 }
 

@@ -63,6 +63,8 @@ ALGORITHM_BASES: dict[str, tuple[str, ...]] = {
                       "algorithm.server_fraction=0.2", "algorithm.lr=0.05"),
     "oneshot_dense": GENERATOR, "oneshot_coboost": GENERATOR,
     "fusefl": (*SMALL_CNN, "rounds=3", "algorithm.blocks=2", "algorithm.sample_per_class=20"),
+    "oneshot_adi": (*SMALL_CNN, "rounds=1", "algorithm.cache_dir=null", "algorithm.epochs=2", "algorithm.di_steps=2",
+                    "algorithm.synthesis_batch_size=8", "algorithm.kd_batch_size=4"),
     # personalised: BatchNorm for FedBN; Ditto's lam shapes only the personal models per-client evaluation reads
     "fedbn": SMALL_CNN, "fedper": MLP, "fedrep": (*MLP, "algorithm.head_epochs=1"),
     "ditto": (*MLP, "eval.clients=all"),

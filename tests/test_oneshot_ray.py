@@ -23,6 +23,8 @@ METHODS: dict[str, tuple[str, ...]] = {
     "oneshot_feddf": ("rounds=1", "algorithm.steps=30", "algorithm.eval_every=10"),
     "oneshot_dense": ("rounds=1", *GENERATOR),
     "oneshot_coboost": ("rounds=1", *GENERATOR),
+    "oneshot_adi": ("rounds=1", "algorithm.epochs=2", "algorithm.di_steps=3", "algorithm.synthesis_batch_size=32",
+                    "algorithm.kd_batch_size=32"),
     "fusefl": ("rounds=3", "algorithm.blocks=2", "algorithm.sample_per_class=100"),
 }
 

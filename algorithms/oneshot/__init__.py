@@ -15,7 +15,10 @@ Server-side methods, one module each:
 * :mod:`.dense`    ``oneshot_dense``: data-free distillation through a generator (DENSE).
 * :mod:`.coboost`  ``oneshot_coboost``: DENSE plus hard samples, ensemble reweighting and
   diverse-sample distillation (Co-Boosting).
+* :mod:`.adi`      ``oneshot_adi``: data-free distillation through input optimisation (Fed-ADI:
+  Adaptive DeepInversion of the client ensemble), the baseline of DENSE's and FuseFL's tables.
 
-Shared building blocks: :mod:`.distill` (KD loss, predictions), :mod:`.datafree` (the generator
-loop DENSE and Co-Boosting share).
+Shared building blocks: :mod:`.distill` (KD loss, predictions), :mod:`.datafree` (the
+synthesise-then-distil loop all three data-free methods share, and the generator of DENSE and
+Co-Boosting).
 """

@@ -22,6 +22,11 @@ Per epoch e (specs/oneshot.md, methods D and E; checked against zj-jayzhang/DENS
 The student is a fresh model of the clients' architecture (both papers). Every draw (generator
 init, z, labels, augmentation, pool order, r) comes from (seed, epoch) through
 ``fl_platform.seeding``.
+
+The loop itself (one synthetic batch per epoch, the pool, the distillation pass) is
+:class:`SynthesisServer`; :class:`DataFreeServer` adds the generator (steps 1-2), the reweighting
+(3) and the perturbation (5). Fed-ADI (:mod:`.adi`) is the same loop with input optimisation in
+place of the generator.
 """
 
 from __future__ import annotations
@@ -46,28 +51,14 @@ _DATAFREE = 0x44465245  # "DFRE": stream key of the data-free loop
 
 
 @dataclass
-class DataFreeConf(OneShotConf):
-    """DENSE's defaults (card D); Co-Boosting overrides some of them (card E)."""
+class SynthesisConf(OneShotConf):
+    """What every synthesise-then-distil method shares (DENSE, Co-Boosting, Fed-ADI): one synthetic batch
+    per epoch joins the pool, then one distillation pass over the pool. DENSE's defaults (card D)."""
 
     epochs: int = 200
-    g_steps: int = 30
-    lr_g: float = 1e-3
-    nz: int = 256
-    ngf: int = 64
     synthesis_batch_size: int = 256
-    synthesis_augment: bool = True  # random crop + flip of G(z) before the teachers see it
-    lambda_oh: float = 1.0
-    lambda_bn: float = 1.0
-    lambda_adv: float = 1.0
-    adv_temperature: float = 1.0
-    adv_mask: bool = True  # adversarial term only where student and ensemble disagree (DENSE)
-    hard_sample_power: float = 0.0  # h of the focal-style CE; 0 = plain CE (DENSE), 1 (Co-Boosting)
-    generator_clip: float | None = None  # max gradient norm of G (Co-Boosting: 10)
-    # Ensemble reweighting (Co-Boosting).
-    reweight: bool = False
-    reweight_mu: float = 0.01
-    reweight_delta: float = 0.99
-    reweight_steps: int = 1
+    lambda_oh: float = 1.0  # weight of the CE to the batch's target labels
+    lambda_bn: float = 1.0  # weight of DeepInversion's BN-statistics term
     # Distillation into the student.
     student_init: str = "fresh"  # fresh (both papers) or fedavg
     kd_temperature: float = 20.0
@@ -78,8 +69,6 @@ class DataFreeConf(OneShotConf):
     kd_cosine: bool = False  # cosine decay of the KD learning rate over the epochs
     kd_clip: float | None = None  # max gradient norm of the student
     kd_augment: bool = True  # random crop + flip of pool batches
-    ods_eta: float = 0.0  # diverse-sample perturbation size in input units (Co-Boosting: 8/255)
-    ods_temperature: float = 4.0
     pool_batches: int | None = None  # keep only the last N batches (None: every batch, as the papers)
     # Input range of the teachers (normalised black and white); None: the training data's range.
     input_low: float | None = None
@@ -88,8 +77,41 @@ class DataFreeConf(OneShotConf):
     def inactive_fields(self, run: Any) -> dict[str, str]:
         out: dict[str, str] = {}
         if self.epochs < 2:
-            one = "it acts from the second epoch on, and epochs=1"
-            out.update(reweight=one, kd_cosine=one)
+            out["kd_cosine"] = "it acts from the second epoch on, and epochs=1"
+        if self.input_low is None or self.input_high is None:
+            both = "the input range is used only when input_low and input_high are both set"
+            out.update(input_low=both, input_high=both)
+        if self.pool_batches is not None and self.pool_batches >= self.epochs:
+            out["pool_batches"] = f"the pool never holds more than epochs={self.epochs} batches"
+        return out
+
+
+@dataclass
+class DataFreeConf(SynthesisConf):
+    """DENSE's generator settings (card D); Co-Boosting overrides some of them (card E)."""
+
+    g_steps: int = 30
+    lr_g: float = 1e-3
+    nz: int = 256
+    ngf: int = 64
+    synthesis_augment: bool = True  # random crop + flip of G(z) before the teachers see it
+    lambda_adv: float = 1.0
+    adv_temperature: float = 1.0
+    adv_mask: bool = True  # adversarial term only where student and ensemble disagree (DENSE)
+    hard_sample_power: float = 0.0  # h of the focal-style CE; 0 = plain CE (DENSE), 1 (Co-Boosting)
+    generator_clip: float | None = None  # max gradient norm of G (Co-Boosting: 10)
+    # Ensemble reweighting (Co-Boosting).
+    reweight: bool = False
+    reweight_mu: float = 0.01
+    reweight_delta: float = 0.99
+    reweight_steps: int = 1
+    ods_eta: float = 0.0  # diverse-sample perturbation size in input units (Co-Boosting: 8/255)
+    ods_temperature: float = 4.0
+
+    def inactive_fields(self, run: Any) -> dict[str, str]:
+        out = super().inactive_fields(run)
+        if self.epochs < 2:
+            out["reweight"] = "it acts from the second epoch on, and epochs=1"
         if not self.reweight or self.epochs < 2:
             out.update(dict.fromkeys(("reweight_mu", "reweight_delta", "reweight_steps"),
                                      "a setting of ensemble reweighting, which is off (reweight=false or epochs=1)"))
@@ -97,11 +119,6 @@ class DataFreeConf(OneShotConf):
             out.update(dict.fromkeys(("adv_temperature", "adv_mask"), "a setting of the adversarial term, and lambda_adv=0"))
         if not self.ods_eta:
             out["ods_temperature"] = "a setting of the diverse-sample perturbation, and ods_eta=0"
-        if self.input_low is None or self.input_high is None:
-            both = "the input range is used only when input_low and input_high are both set"
-            out.update(input_low=both, input_high=both)
-        if self.pool_batches is not None and self.pool_batches >= self.epochs:
-            out["pool_batches"] = f"the pool never holds more than epochs={self.epochs} batches"
         return out
 
 
@@ -194,23 +211,26 @@ def augment(x: torch.Tensor, gen: torch.Generator, low: torch.Tensor) -> torch.T
     return torch.where(flip, out.flip(-1), out)
 
 
-class DataFreeServer(OneShotServer):
-    """The shared loop; DENSE and Co-Boosting are this class with different settings."""
+class SynthesisServer(OneShotServer):
+    """The loop every synthesise-then-distil method shares; a method supplies ``synthesize`` (and may
+    keep ensemble weights, perturb pool batches, or hold a synthesiser such as DENSE's generator)."""
 
-    def __init__(self, cfg: DataFreeConf, setup, initial_weights) -> None:
-        checks = [(cfg.epochs >= 1, "epochs"), (cfg.g_steps >= 1, "g_steps"), (cfg.lr_g > 0, "lr_g"),
-                  (cfg.nz >= 1, "nz"), (cfg.ngf >= 1, "ngf"), (cfg.synthesis_batch_size >= 1, "synthesis_batch_size"),
-                  (cfg.adv_temperature > 0, "adv_temperature"), (cfg.kd_temperature > 0, "kd_temperature"),
-                  (cfg.kd_lr > 0, "kd_lr"), (cfg.kd_batch_size >= 1, "kd_batch_size"),
-                  (cfg.ods_temperature > 0, "ods_temperature"), (cfg.reweight_steps >= 1, "reweight_steps"),
-                  (cfg.student_init in ("fresh", "fedavg"), "student_init"),
-                  (cfg.pool_batches is None or cfg.pool_batches >= 1, "pool_batches")]
-        for ok, key in checks:
+    def checks(self) -> list[tuple[bool, str]]:
+        """(condition, key) pairs that must hold for the configuration to run."""
+        cfg = self.cfg
+        return [(cfg.epochs >= 1, "epochs"), (cfg.synthesis_batch_size >= 1, "synthesis_batch_size"),
+                (cfg.kd_temperature > 0, "kd_temperature"), (cfg.kd_lr > 0, "kd_lr"),
+                (cfg.kd_batch_size >= 1, "kd_batch_size"), (cfg.student_init in ("fresh", "fedavg"), "student_init"),
+                (cfg.pool_batches is None or cfg.pool_batches >= 1, "pool_batches")]
+
+    def __init__(self, cfg: SynthesisConf, setup, initial_weights) -> None:
+        self.cfg = cfg
+        for ok, key in self.checks():
             if not ok:
                 raise ValueError(f"algorithm.{key}={getattr(cfg, key)!r} is invalid for {cfg.name}")
         super().__init__(cfg, setup, initial_weights)
         with torch.random.fork_rng(devices=[]):
-            Generator(cfg.nz, cfg.ngf, setup.input_shape)  # fail now on inputs it cannot synthesise
+            self.check_inputs(setup.input_shape)
             has_bn = any(isinstance(m, nn.BatchNorm2d) for m in setup.model_fn().modules())
         default_bn = type(cfg)().lambda_bn
         if not has_bn and cfg.lambda_bn != default_bn:
@@ -218,6 +238,9 @@ class DataFreeServer(OneShotServer):
                              f"models' BatchNorm2d statistics and this model has none (leave it at {default_bn}, or "
                              "use a model with BatchNorm, e.g. model=cnn model.norm=batch)")
         self.ensemble_weights: torch.Tensor | None = None
+
+    def check_inputs(self, shape: tuple[int, ...]) -> None:
+        """Fail at start-up on inputs this method cannot synthesise."""
 
     def input_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -232,19 +255,26 @@ class DataFreeServer(OneShotServer):
         return low.view(-1, 1, 1).to(self.device), high.view(-1, 1, 1).to(self.device)
 
     def fresh_student(self) -> torch.Tensor:
-        """The initial weights of the fresh student (seeded; the same for DENSE and Co-Boosting)."""
+        """The initial weights of the fresh student (seeded; the same for every method of this family)."""
         return fresh_vector(self.setup, _DATAFREE, 0)
+
+    def synthesizer(self) -> nn.Module | None:
+        """The trainable synthesiser this method keeps across epochs (None: it optimises inputs directly)."""
+        return None
+
+    def initial_ensemble_weights(self, k: int) -> torch.Tensor | None:
+        """Weights of the k teachers (None: the plain logit average)."""
+        return None
 
     def build(self, ctx: RoundContext) -> dict[str, float]:
         cfg, dev, seed = self.cfg, self.device, self.setup.seed
         low, high = self.input_range()
         teachers = self.teacher_modules(dev)
         ensemble = LogitEnsemble(teachers)
-        k = len(teachers)
-        weights = torch.full((k,), 1.0 / k, device=dev) if cfg.reweight else None
+        weights = self.initial_ensemble_weights(len(teachers))
         start = self.fedavg_vector() if cfg.student_init == "fedavg" else self.fresh_student()
         student = build_module(self.setup, start, dev)
-        generator = Generator(cfg.nz, cfg.ngf, self.setup.input_shape).to(dev)
+        synth = self.synthesizer()
         bn = BNStatLoss(teachers) if cfg.lambda_bn else None
         if bn is not None and len(bn) == 0:
             log.warning("%s: lambda_bn=%s but the client models have no BatchNorm2d layer; the BN term is 0",
@@ -260,9 +290,8 @@ class DataFreeServer(OneShotServer):
         try:
             for epoch in range(cfg.epochs):
                 gen = torch_generator(seed, Stream.ALGORITHM, _DATAFREE, 1, epoch)
-                x, y, synth_loss = self.synthesize(generator, ensemble, weights, student, bn, low, high, gen)
-                if cfg.reweight and epoch > 0:
-                    weights = self.reweight(epoch, ensemble, weights, pool_x, pool_y, low, gen)
+                x, y, synth_loss = self.synthesize(synth, ensemble, weights, student, bn, low, high, gen)
+                weights = self.update_ensemble_weights(epoch, ensemble, weights, pool_x, pool_y, low, gen)
                 pool_x.append(x)
                 pool_y.append(y)
                 if cfg.pool_batches is not None and len(pool_x) > cfg.pool_batches:
@@ -281,6 +310,100 @@ class DataFreeServer(OneShotServer):
         if weights is not None:
             extras.update({f"ensemble_weight_{i}": float(v) for i, v in enumerate(self.ensemble_weights)})
         return extras
+
+    def synthesize(self, synth: nn.Module | None, ensemble: LogitEnsemble, weights: torch.Tensor | None,
+                   student: nn.Module, bn: BNStatLoss | None, low: torch.Tensor, high: torch.Tensor,
+                   gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One epoch's synthesis; returns the batch that joins the pool, its labels and its loss."""
+        raise NotImplementedError
+
+    def update_ensemble_weights(self, epoch: int, ensemble: LogitEnsemble, weights: torch.Tensor | None,
+                                pool_x: list[torch.Tensor], pool_y: list[torch.Tensor], low: torch.Tensor,
+                                gen: torch.Generator) -> torch.Tensor | None:
+        """Before the epoch's batch joins the pool (Co-Boosting reweights here); the default keeps them."""
+        return weights
+
+    def perturb(self, xb: torch.Tensor, ensemble: LogitEnsemble, weights: torch.Tensor | None,
+                gen: torch.Generator) -> torch.Tensor:
+        """A pool batch as the student sees it (Co-Boosting perturbs it); the default leaves it."""
+        return xb
+
+    def _batches(self, pool_x: list[torch.Tensor], pool_y: list[torch.Tensor] | None, low: torch.Tensor,
+                 gen: torch.Generator):
+        x = torch.cat(pool_x)
+        y = torch.cat(pool_y) if pool_y is not None else None
+        order = torch.randperm(x.shape[0], generator=gen).to(x.device)
+        bs = self.cfg.kd_batch_size
+        for i in range(0, x.shape[0], bs):
+            idx = order[i : i + bs]
+            xb = x[idx]
+            if self.cfg.kd_augment:
+                xb = augment(xb, gen, low)
+            yield xb, (y[idx] if y is not None else None)
+
+    def distill(self, ensemble: LogitEnsemble, weights: torch.Tensor | None, student: nn.Module,
+                opt: torch.optim.Optimizer, pool_x: list[torch.Tensor], low: torch.Tensor,
+                gen: torch.Generator) -> float:
+        """One pass over the pool; returns the mean KD loss."""
+        cfg = self.cfg
+        student.train()
+        total, batches = 0.0, 0
+        for xb, _ in self._batches(pool_x, None, low, gen):
+            xb = self.perturb(xb, ensemble, weights, gen)
+            with torch.no_grad():
+                t = ensemble.combine(ensemble.member_logits(xb), weights)
+            loss = kd_loss(student(xb), t, cfg.kd_temperature)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.kd_clip is not None:
+                nn.utils.clip_grad_norm_(student.parameters(), cfg.kd_clip)
+            opt.step()
+            total += float(loss.detach())
+            batches += 1
+        return total / max(batches, 1)
+
+    def extra_metrics(self, teacher_logits: list[torch.Tensor], y: torch.Tensor) -> dict[str, float]:
+        if self.ensemble_weights is None:
+            return {}
+        weighted = combine_logits(torch.stack(teacher_logits), self.ensemble_weights)
+        return {"weighted_ensemble_test_accuracy": float((weighted.argmax(1) == y).float().mean())}
+
+    def state_dict(self):
+        state = super().state_dict()
+        if self.ensemble_weights is not None:
+            state["ensemble_weights"] = self.ensemble_weights.clone()
+        return state
+
+    def load_state_dict(self, state) -> None:
+        super().load_state_dict(state)
+        w = state.get("ensemble_weights")
+        self.ensemble_weights = None if w is None else w.clone()
+
+
+class DataFreeServer(SynthesisServer):
+    """DENSE and Co-Boosting: the shared loop with a generator; the two are this class with different settings."""
+
+    def checks(self) -> list[tuple[bool, str]]:
+        cfg = self.cfg
+        return [*super().checks(), (cfg.g_steps >= 1, "g_steps"), (cfg.lr_g > 0, "lr_g"), (cfg.nz >= 1, "nz"),
+                (cfg.ngf >= 1, "ngf"), (cfg.adv_temperature > 0, "adv_temperature"),
+                (cfg.ods_temperature > 0, "ods_temperature"), (cfg.reweight_steps >= 1, "reweight_steps")]
+
+    def check_inputs(self, shape: tuple[int, ...]) -> None:
+        Generator(self.cfg.nz, self.cfg.ngf, shape)
+
+    def synthesizer(self) -> Generator:
+        return Generator(self.cfg.nz, self.cfg.ngf, self.setup.input_shape).to(self.device)
+
+    def initial_ensemble_weights(self, k: int) -> torch.Tensor | None:
+        return torch.full((k,), 1.0 / k, device=self.device) if self.cfg.reweight else None
+
+    def update_ensemble_weights(self, epoch: int, ensemble: LogitEnsemble, weights: torch.Tensor | None,
+                                pool_x: list[torch.Tensor], pool_y: list[torch.Tensor], low: torch.Tensor,
+                                gen: torch.Generator) -> torch.Tensor | None:
+        if self.cfg.reweight and epoch > 0 and weights is not None:
+            return self.reweight(epoch, ensemble, weights, pool_x, pool_y, low, gen)
+        return weights
 
     def synthesize(self, generator: Generator, ensemble: LogitEnsemble, weights: torch.Tensor | None,
                    student: nn.Module, bn: BNStatLoss | None, low: torch.Tensor, high: torch.Tensor,
@@ -327,19 +450,6 @@ class DataFreeServer(OneShotServer):
         assert best_x is not None
         return best_x, y, best_cost
 
-    def _batches(self, pool_x: list[torch.Tensor], pool_y: list[torch.Tensor] | None, low: torch.Tensor,
-                 gen: torch.Generator):
-        x = torch.cat(pool_x)
-        y = torch.cat(pool_y) if pool_y is not None else None
-        order = torch.randperm(x.shape[0], generator=gen).to(x.device)
-        bs = self.cfg.kd_batch_size
-        for i in range(0, x.shape[0], bs):
-            idx = order[i : i + bs]
-            xb = x[idx]
-            if self.cfg.kd_augment:
-                xb = augment(xb, gen, low)
-            yield xb, (y[idx] if y is not None else None)
-
     def reweight(self, epoch: int, ensemble: LogitEnsemble, weights: torch.Tensor, pool_x: list[torch.Tensor],
                  pool_y: list[torch.Tensor], low: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         """Co-Boosting's ensemble boosting: signed-gradient steps on CE(f_w(x), y) over the labelled pool."""
@@ -356,45 +466,13 @@ class DataFreeServer(OneShotServer):
                 w = (w - step * grad.sign()).clamp_(0.0, 1.0)
         return w
 
-    def distill(self, ensemble: LogitEnsemble, weights: torch.Tensor | None, student: nn.Module,
-                opt: torch.optim.Optimizer, pool_x: list[torch.Tensor], low: torch.Tensor,
-                gen: torch.Generator) -> float:
-        """One pass over the pool; returns the mean KD loss."""
+    def perturb(self, xb: torch.Tensor, ensemble: LogitEnsemble, weights: torch.Tensor | None,
+                gen: torch.Generator) -> torch.Tensor:
         cfg = self.cfg
-        student.train()
-        total, batches = 0.0, 0
-        for xb, _ in self._batches(pool_x, None, low, gen):
-            if cfg.ods_eta:
-                xb = xb.detach().requires_grad_()
-                out = ensemble.combine(ensemble.member_logits(xb), weights)
-                r = (torch.rand(out.shape, generator=gen) * 2.0 - 1.0).to(out.device)
-                (grad,) = torch.autograd.grad((r * F.softmax(out / cfg.ods_temperature, dim=1)).sum(), xb)
-                xb = (xb + cfg.ods_eta * grad.sign()).detach()
-            with torch.no_grad():
-                t = ensemble.combine(ensemble.member_logits(xb), weights)
-            loss = kd_loss(student(xb), t, cfg.kd_temperature)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.kd_clip is not None:
-                nn.utils.clip_grad_norm_(student.parameters(), cfg.kd_clip)
-            opt.step()
-            total += float(loss.detach())
-            batches += 1
-        return total / max(batches, 1)
-
-    def extra_metrics(self, teacher_logits: list[torch.Tensor], y: torch.Tensor) -> dict[str, float]:
-        if self.ensemble_weights is None:
-            return {}
-        weighted = combine_logits(torch.stack(teacher_logits), self.ensemble_weights)
-        return {"weighted_ensemble_test_accuracy": float((weighted.argmax(1) == y).float().mean())}
-
-    def state_dict(self):
-        state = super().state_dict()
-        if self.ensemble_weights is not None:
-            state["ensemble_weights"] = self.ensemble_weights.clone()
-        return state
-
-    def load_state_dict(self, state) -> None:
-        super().load_state_dict(state)
-        w = state.get("ensemble_weights")
-        self.ensemble_weights = None if w is None else w.clone()
+        if not cfg.ods_eta:
+            return xb
+        xb = xb.detach().requires_grad_()
+        out = ensemble.combine(ensemble.member_logits(xb), weights)
+        r = (torch.rand(out.shape, generator=gen) * 2.0 - 1.0).to(out.device)
+        (grad,) = torch.autograd.grad((r * F.softmax(out / cfg.ods_temperature, dim=1)).sum(), xb)
+        return (xb + cfg.ods_eta * grad.sign()).detach()
