@@ -76,8 +76,9 @@ def checks(root: Path, gpus: int) -> list[tuple[str, Callable[[], str]]]:
             if len(load) != min(workers, gpus) or max(load.values()) - min(load.values()) > 1:
                 raise AssertionError(f"workers per GPU not even over the {gpus} GPUs: {dict(load)}")
             share = min(r["gpu_share"] for r in rows)
-            return (f"{workers} workers ({share:g} GPU each, GPUs {sorted(load)}) in {secs:.1f} s, max |w - inline| = {diff:.1e}, "
-                    f"eval on {exp.simulation.eval_model.device}")
+            busy = exp.simulation.history[-1]["worker_busy_frac"]  # (the last round evaluates: counted in)
+            return (f"{workers} workers ({share:g} GPU each, GPUs {sorted(load)}) in {secs:.1f} s, max |w - inline| = "
+                    f"{diff:.1e}, eval on {exp.simulation.eval_model.device}, worker_busy_frac {busy:.2f}")
         return check
 
     def cohort_auto() -> str:
