@@ -7,6 +7,7 @@ exactly the same code path.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -21,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from fl_platform.algorithms.registry import PLUGIN, get_algorithm, spec_of
 from fl_platform.config import EngineConf, options_of, unknown_keys
 from fl_platform.datasets.federated import FederatedDataset, build_federated_dataset
+from fl_platform.engine.scheduler import balance_warning
 from fl_platform.models import check_model_input
 from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
 from fl_platform.privacy.config import sampling_of
@@ -28,7 +30,8 @@ from fl_platform.privacy.setup import resolved_privacy, server_privacy_for
 from fl_platform.reporting import Reporter
 from fl_platform.rounds.checkpoint import Checkpointer
 from fl_platform.rounds.client_eval import CLIENT_METRICS, ClientEvaluation
-from fl_platform.rounds.engine import Engine
+from fl_platform.rounds.engine import Engine, workers_table
+from fl_platform.rounds.sampling import sample_clients
 from fl_platform.rounds.setup import ExperimentSetup, ModelFactory, resolve_device
 from fl_platform.rounds.simulation import LoopConfig, Simulation
 from fl_platform.seeding import Stream, seed_torch_global
@@ -429,6 +432,8 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
                                  num_clients=cfg.num_clients, clients_per_round=cfg.clients_per_round,
                                  rounds=cfg.rounds, seed=cfg.seed)
     engine = make_engine(cfg, setup)
+    report_workers(engine, rd)
+    warn_unbalanced(cfg, setup, engine.num_workers, sampling_of(setup.privacy))
     if engine.eval_device is not None and engine.eval_device != eval_model.device:
         # The Ray engine decided where the driver evaluates (a GPU share it holds): the same model there.
         # Its weights come from the server at every evaluation; its construction draws no run RNG.
@@ -451,6 +456,29 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
         engine.close()
         raise
     return Experiment(cfg, data, setup, sim, engine, rd)
+
+
+def warn_unbalanced(cfg: DictConfig, setup: ExperimentSetup, num_workers: int, sampling: str) -> None:
+    """Warn at start-up when the rounds' clients are too few per worker to keep the workers busy."""
+    rounds = range(min(cfg.rounds, 10))
+    sets = [sample_clients(cfg.seed, r, cfg.num_clients, cfg.clients_per_round, sampling) for r in rounds]
+    message = balance_warning(sets, setup.dataset.client_sizes(), setup.train, num_workers)
+    if message is not None:
+        log.warning("%s", message)
+
+
+def report_workers(engine: Engine, rd: RunDir | None) -> None:
+    """Say where everything runs: one table (worker, node, device, Ray's GPU ids, share, torch, CUDA) in the
+    log at start-up, the same rows in ``run.json``'s ``workers``."""
+    rows = engine.describe_workers()
+    log.info("workers:\n%s", workers_table(rows))
+    if rd is not None:
+        run_json = rd.path / "run.json"
+        try:
+            info = json.loads(run_json.read_text()) if run_json.exists() else {}
+        except ValueError:  # a torn file from another tool: rewritten whole
+            info = {}
+        atomic_write_json(run_json, {**info, "workers": rows})
 
 
 # Keys that may differ between a checkpointed run and its resumption: they do not change results.
