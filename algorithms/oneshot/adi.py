@@ -36,7 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_platform.algorithms.base import AlgorithmSpec
-from fl_platform.algorithms.oneshot.datafree import BNStatLoss, SynthesisConf, SynthesisServer
+from fl_platform.algorithms.oneshot.datafree import (
+    BNStatLoss,
+    SynthesisConf,
+    SynthesisServer,
+    teacher_forward,
+)
 from fl_platform.algorithms.oneshot.distill import LogitEnsemble
 from fl_platform.algorithms.oneshot.protocol import OneShotClient
 
@@ -106,13 +111,7 @@ class AdiServer(SynthesisServer):
             if cfg.jitter:
                 dy, dx = torch.randint(-cfg.jitter, cfg.jitter + 1, (2,), generator=gen).tolist()
                 xj = torch.roll(x, shifts=(dy, dx), dims=(2, 3))
-            if bn is not None:
-                bn.active = True
-            t = ensemble.combine(ensemble.member_logits(xj), weights)
-            loss_bn = torch.zeros((), device=dev)
-            if bn is not None:
-                bn.active = False
-                loss_bn = bn.pop()
+            t, loss_bn = teacher_forward(ensemble, weights, xj, bn)
             loss = cfg.lambda_oh * F.cross_entropy(t, y) + cfg.lambda_bn * loss_bn
             if cfg.lambda_tv:
                 loss = loss + cfg.lambda_tv * total_variation(xj)

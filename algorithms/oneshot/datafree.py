@@ -196,6 +196,19 @@ class BNStatLoss:
             h.remove()
 
 
+def teacher_forward(ensemble: LogitEnsemble, weights: torch.Tensor | None, x: torch.Tensor,
+                    bn: BNStatLoss | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (weighted) ensemble's logits on ``x`` and the BN-statistics term of that forward pass (0 without ``bn``)."""
+    if bn is None:
+        return ensemble.combine(ensemble.member_logits(x), weights), torch.zeros((), device=x.device)
+    bn.active = True
+    try:
+        t = ensemble.combine(ensemble.member_logits(x), weights)
+    finally:
+        bn.active = False
+    return t, bn.pop()
+
+
 def augment(x: torch.Tensor, gen: torch.Generator, low: torch.Tensor) -> torch.Tensor:
     """Random crop (zero-pixel padding of H // 8) and horizontal flip per sample; differentiable in x."""
     b, c, h, w = x.shape
@@ -422,13 +435,7 @@ class DataFreeServer(SynthesisServer):
         for _ in range(cfg.g_steps):
             x = low + (high - low) * generator(z)
             xa = augment(x, gen, low) if cfg.synthesis_augment else x
-            if bn is not None:
-                bn.active = True
-            t = ensemble.combine(ensemble.member_logits(xa), weights)
-            loss_bn = torch.zeros((), device=dev)
-            if bn is not None:
-                bn.active = False
-                loss_bn = bn.pop()
+            t, loss_bn = teacher_forward(ensemble, weights, xa, bn)
             ce = F.cross_entropy(t, y, reduction="none")
             if cfg.hard_sample_power:
                 p_y = F.softmax(t, dim=1).gather(1, y[:, None]).squeeze(1)
