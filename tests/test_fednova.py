@@ -82,6 +82,20 @@ def test_refuses_a_local_solver_without_step_coefficients_and_dp():
         build(compose_config(*base, "privacy=central"))
 
 
+def test_equal_step_counts_give_fedavgs_model():
+    weights = []
+    for alg in ("fedavg", "fednova"):
+        exp = build(compose_config(f"algorithm={alg}", "model=mlp", "model.hidden=[8]", "num_clients=4",
+                                   "clients_per_round=4", "rounds=2", "train.epochs=null", "train.steps=3",
+                                   "train.momentum=0.9", "partition.alpha=0.3", "save_model=false"))
+        try:
+            exp.simulation.run()
+        finally:
+            exp.engine.close()
+        weights.append(exp.simulation.server.weights)
+    assert float((weights[0] - weights[1]).abs().max()) <= 1e-6
+
+
 def _run(*engine: str):
     exp = build(compose_config("algorithm=fednova", "model=mlp", "model.hidden=[16]", "num_clients=6",
                                "clients_per_round=4", "rounds=2", "partition.alpha=0.3", "train.momentum=0.9",
