@@ -465,9 +465,10 @@ def test_every_eval_field_changes_the_run_or_is_refused(base, name, default):
 
 PRIVACY_BASES = ("none", "central", "local")
 ADAPTIVE = {"adaptive.enabled": True, "adaptive.count_stddev": 2.0}  # sigma_b must exceed z/2 = 0.5
-# 12: between epsilon after 1 and 2 rounds (a Gaussian with z = 1, replace-one: about 10.7 and 16.5),
-# so the run stops after round 1.
-PRIVACY_PERTURB: dict[str, Any] = {"target_epsilon": 12.0, "accountant": "pld", "sampling": "poisson",
+# target_epsilon: between epsilon after 1 and 2 rounds, so the run stops after round 1 (z = 1, every client
+# every round: central, Poisson with q = 1, add/remove: about 4.7 and 7.1; local, replace-one: 10.7 and 16.5).
+PRIVACY_PERTURB: dict[str, Any] = {"target_epsilon": 12.0, "central.target_epsilon": 6.0,
+                                   "accountant": "pld", "sampling": "fixed",
                                    "adaptive.count_stddev": 2.0,
                                    "adaptive.enabled": Perturb(True, also={"privacy.adaptive.count_stddev": 2.0})}
 
@@ -480,7 +481,7 @@ def test_every_privacy_field_changes_the_run_or_is_refused(base, name, default):
     the clip, the stop), or are refused where they cannot (adaptive clipping under local DP)."""
     overrides = (*TINY, *MLP, f"privacy={base}")
     current = OmegaConf.select(_base(overrides), f"privacy.{name}")
-    spec = PRIVACY_PERTURB.get(name, _generic(current))
+    spec = PRIVACY_PERTURB.get(f"{base}.{name}", PRIVACY_PERTURB.get(name, _generic(current)))
     if base == "central" and name.startswith("adaptive.") and name != "adaptive.enabled":
         spec = Perturb(_generic(ADAPTIVE[name]) if name in ADAPTIVE else _generic(current), ADAPTIVE)
     assert spec is not MISSING, f"no perturbation for privacy.{name}"

@@ -157,7 +157,7 @@ def test_records_round_trip_and_sizes():
     bc = Broadcast({"weights": torch.randn(50), "stats": torch.randn(3, 4, dtype=torch.float64)},
                    {"lambda": 0.5}, {5: {"rho": 0.25}, 9: {"rho": 1.0}})
     ctx2, bc2, cid = decode_train(encode_train(ctx, bc, 5))
-    assert (ctx2, cid) == (ctx, 5)
+    assert (ctx2, cid) == (RoundContext(round=4, seed=3, clients=(5,), num_rounds=10, num_clients=12), 5)  # not the cohort
     assert bc2.scalars == {"lambda": 0.5} and bc2.per_client == {5: {"rho": 0.25}}
     for k, t in bc.tensors.items():
         assert bc2.tensors[k].dtype == t.dtype and torch.equal(bc2.tensors[k], t)

@@ -17,7 +17,8 @@ residual) lives in ``context.state``; Flower keeps it on the SuperNode between r
 configured compressor is applied by the simulator's own uplink hook: the reply carries what the
 server decodes, and ``bytes_up`` the payload's size. Under client-level DP (``privacy=central|local``)
 the node clips its update (and under local DP adds its own noise) before compressing it, with the
-simulator's code (fl_platform/privacy/clipping.py); the ServerApp adds the central noise.
+simulator's code (fl_platform/privacy/clipping.py); the ServerApp adds the central noise. Both draw
+their noise from their own OS CSPRNG (``privacy.setup.deployed``), never from the seed.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from fl_platform.flower.payloads import PayloadCodec
 from fl_platform.flower.records import IDENTIFY, decode_train, encode_update
 from fl_platform.flower.state import ContextStateStore
 from fl_platform.privacy.clipping import ClientPrivacy
-from fl_platform.privacy.setup import make_client_privacy
+from fl_platform.privacy.setup import deployed, make_client_privacy
 from fl_platform.rounds.setup import resolve_device
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.loop import ClientData, LocalTrainer, NonFiniteError
@@ -162,7 +163,8 @@ def build_runtime(run_config: Mapping[str, Any], node_config: Mapping[str, Any])
     specs = {**client.state_spec(), **(uplink.state_spec() if uplink is not None else {})}
     log.info("client %d: %d samples of %s on %s", node.partition_id, data.num_samples, dataset.name, device)
     codec = PayloadCodec(uplink) if uplink is not None else None
-    privacy = make_client_privacy(setup.privacy, get_algorithm(setup.algorithm), setup.algorithm_conf)
+    # (local DP: the noise from this node's own OS CSPRNG, never from the seed the server sent)
+    privacy = make_client_privacy(deployed(setup.privacy), get_algorithm(setup.algorithm), setup.algorithm_conf)
     return ClientRuntime(cfg, deploy, node, device, data, trainer, client, uplink, codec, specs, privacy)
 
 

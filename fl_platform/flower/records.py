@@ -4,13 +4,20 @@ Every algorithm's messages travel the same way, so an algorithm needs no Flower 
 
 train message (server -> client)                 reply (client -> server)
   "context"  ConfigRecord: round (0-based), seed,   "update"   ArrayRecord: ClientUpdate.tensors
-             clients, num_rounds, num_clients,       "weights"  MetricRecord: ClientUpdate.weights
-             client_id                               "metrics"  MetricRecord: name -> [sum, count]
+             num_rounds, num_clients, client_id      "weights"  MetricRecord: ClientUpdate.weights
+                                                     "metrics"  MetricRecord: name -> [sum, count]
   "tensors"  ArrayRecord: Broadcast.tensors          "info"     MetricRecord: client_id, num_samples,
   "scalars"  ConfigRecord: Broadcast.scalars                    bytes_up, num-examples (Flower's name)
   "client"   ConfigRecord: Broadcast.per_client[id]  "payloads" ArrayRecord (optional): name -> the
                                                                 compressor's payload bytes (uint8)
                                                      "payload_shapes" MetricRecord: name -> shape
+
+A client is told its own id and what it needs to train (the seed: its minibatch order, augmentation
+and compression draws are (seed, round, client) streams, as in the simulator), never the round's cohort:
+its ``RoundContext.clients`` is itself alone. No DP noise is derived from anything here: in a
+deployment the server and each client draw it from their own OS CSPRNG (``privacy.clipping.noise_generator``).
+Under local DP the reply's sample count is 0 and its metrics are only what compression computes
+from the noised update (``ClientPrivacy.apply``).
 
 Tensors keep their names, shapes and dtypes. ``message_nbytes`` is the size of a message as
 Flower serialises it (its distinct objects: identical array chunks are sent once).
@@ -46,13 +53,12 @@ def _tensors(record: ArrayRecord) -> dict[str, torch.Tensor]:
 
 def encode_train(ctx: RoundContext, broadcast: Broadcast, client_id: int,
                  tensors: ArrayRecord | None = None) -> RecordDict:
-    """What client ``client_id`` receives this round (only its own per-client settings).
+    """What client ``client_id`` receives this round (only its own per-client settings, not the cohort).
 
     ``tensors``: ``encode_tensors(broadcast.tensors)`` built once and shared by the round's messages.
     """
-    context = ConfigRecord({"round": ctx.round, "seed": ctx.seed, "clients": [int(c) for c in ctx.clients],
-                            "num_rounds": ctx.num_rounds, "num_clients": ctx.num_clients,
-                            "client_id": int(client_id)})
+    context = ConfigRecord({"round": ctx.round, "seed": ctx.seed, "num_rounds": ctx.num_rounds,
+                            "num_clients": ctx.num_clients, "client_id": int(client_id)})
     own = broadcast.per_client.get(client_id, {})
     return RecordDict({
         CONTEXT: context,
@@ -63,14 +69,14 @@ def encode_train(ctx: RoundContext, broadcast: Broadcast, client_id: int,
 
 
 def decode_train(content: RecordDict) -> tuple[RoundContext, Broadcast, int]:
-    """(round context, broadcast, client id) from a train message."""
+    """(round context, broadcast, client id) from a train message (the context's cohort: the client alone)."""
     missing = [k for k in (CONTEXT, TENSORS, SCALARS, CLIENT) if k not in content]
     if missing:
         raise ValueError(f"train message lacks records {missing}; was it sent by fl_platform's ServerApp?")
     c = content.config_records[CONTEXT]
-    ctx = RoundContext(round=int(c["round"]), seed=int(c["seed"]), clients=tuple(int(x) for x in c["clients"]),
-                       num_rounds=int(c["num_rounds"]), num_clients=int(c["num_clients"]))
     client_id = int(c["client_id"])
+    ctx = RoundContext(round=int(c["round"]), seed=int(c["seed"]), clients=(client_id,),
+                       num_rounds=int(c["num_rounds"]), num_clients=int(c["num_clients"]))
     own = {k: float(v) for k, v in content.config_records[CLIENT].items()}
     broadcast = Broadcast(_tensors(content.array_records[TENSORS]),
                           {k: float(v) for k, v in content.config_records[SCALARS].items()},

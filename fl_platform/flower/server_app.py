@@ -29,7 +29,7 @@ from fl_platform.flower.payloads import PayloadCodec
 from fl_platform.flower.strategy import AlgorithmStrategy, FlowerEngine
 from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
 from fl_platform.privacy.config import sampling_of
-from fl_platform.privacy.setup import make_server_privacy
+from fl_platform.privacy.setup import deployed, make_server_privacy
 from fl_platform.reporting import Reporter
 from fl_platform.rounds.setup import resolve_device
 from fl_platform.rounds.simulation import LoopConfig, Simulation
@@ -69,6 +69,10 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
     t0 = time.perf_counter()
     cfg, deploy = from_run_config(run_config)
     validate(cfg)
+    if cfg.early_stop.patience or cfg.callbacks:  # (fl_platform/rounds/callbacks.py: the simulator's)
+        raise ValueError("early_stop.patience and callbacks are not implemented for Flower deployments: the "
+                         "validation split would have to be cut on every node; use them with engine=inline|ray "
+                         "or fl_platform.api.run")
     rd = RunDir(run_dir or deploy.run_dir or default_run_dir(cfg, run_id))
     handler = _log_to(rd.path / "server.log")
     reporter = Reporter(cfg.rounds, progress=False, wandb=cfg.logger.wandb, wandb_project=cfg.logger.wandb_project,
@@ -94,7 +98,8 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
         client_half = spec.client(setup.algorithm_conf, alg_setup)  # what its replies look like
         uplink = make_uplink(setup.compressor, eval_model, client_half)
         sizes = contribution_sizes(client_half, eval_model)
-        privacy = make_server_privacy(setup.privacy, spec, setup.algorithm_conf, sizes, num_clients=cfg.num_clients,
+        # (central DP: the noise from this server's OS CSPRNG, never from the seed every client is sent)
+        privacy = make_server_privacy(deployed(setup.privacy), spec, setup.algorithm_conf, sizes, num_clients=cfg.num_clients,
                                       clients_per_round=cfg.clients_per_round, rounds=cfg.rounds, seed=cfg.seed)
         strategy = AlgorithmStrategy(server, seed=cfg.seed, num_rounds=cfg.rounds, num_clients=cfg.num_clients,
                                      clients_per_round=cfg.clients_per_round, deploy=deploy,

@@ -12,7 +12,10 @@ clipped is what is compressed):
    expected number of clients);
 4. with adaptive clipping the update also carries ``dp_below_clip`` = 1[||x|| <= C] - 1/2 (one number;
    the server noises its sum: Andrew et al. 2021);
-5. local DP: N(0, (z C)^2) is added to each clipped tensor, drawn from (seed, PRIVACY, round, client).
+5. local DP: N(0, (z C)^2) is added to each clipped tensor, drawn from (seed, PRIVACY, round, client),
+   or with ``privacy.secure_rng`` (always in a Flower deployment) from the client's own OS CSPRNG
+   (``noise_generator``); then the update keeps nothing else it could leak: no metrics, no sample count
+   (the server replaces the weights by a public constant anyway).
 
 Central DP then bounds what the server decodes (``bound``): after compression, the decoded private
 tensors are clipped to C again. For compressors that never lengthen a vector (identity, top-k,
@@ -24,12 +27,13 @@ at C. In a deployment it runs on the server, which must not trust a client's cli
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from fl_platform.core import Broadcast, ClientUpdate, RoundContext
+from fl_platform.core import Broadcast, ClientUpdate, Metrics, RoundContext
 from fl_platform.privacy.config import PrivacyConf
 from fl_platform.privacy.spec import PrivateUploads
 from fl_platform.seeding import Stream, torch_generator
@@ -39,6 +43,18 @@ BELOW = "dp_below_clip"  # ClientUpdate tensor (adaptive clipping): 1[||x|| <= C
 CLIPPED_METRIC = "dp_clipped_fraction"  # per client 1 if its update was clipped: the row's mean is the fraction
 NORM_METRIC = "dp_update_norm"  # the update's norm before clipping (mean over clients)
 LOCAL_NOISE_KEY = 1  # (seed, PRIVACY, round, LOCAL_NOISE_KEY, client, tensor index): local DP noise
+
+
+def noise_generator(secure: bool, device: torch.device | str, seed: int, *keys: int) -> torch.Generator:
+    """Where a set of DP noise draws comes from. Seeded (the simulation's default): a CPU generator from
+    (seed, *keys), reproducible and equal on every runtime, and so derivable by whoever knows the seed.
+    ``secure``: a generator on ``device`` seeded with 64 bits from the OS's CSPRNG (``secrets``), fresh per
+    draw-set and derived from nothing that is sent or logged (DESIGN.md: secrets are secret)."""
+    if not secure:
+        return torch_generator(seed, *keys)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(secrets.randbits(64))
+    return gen
 
 
 def joint_norm(tensors: Iterable[torch.Tensor]) -> float:
@@ -85,6 +101,7 @@ class ClientPrivacy:
         self.uploads = dict(uploads)
         self.local = conf.name == "local"
         self.adaptive = conf.name == "central" and conf.adaptive.enabled
+        self.secure = bool(conf.secure_rng)
 
     def cohort_clip(self, broadcast: Broadcast) -> CohortClip | None:
         """How a vectorised chunk may clip while summing (None: local DP noises each client instead)."""
@@ -113,14 +130,19 @@ class ClientPrivacy:
             z = float(self.conf.noise_multiplier or 0.0)
             if z:
                 for i, (name, u) in enumerate(units.items()):
-                    gen = torch_generator(ctx.seed, Stream.PRIVACY, ctx.round, LOCAL_NOISE_KEY, update.client_id, i)
-                    noise = torch.randn(u.shape, generator=gen, dtype=torch.float32)
+                    gen = noise_generator(self.secure, u.device, ctx.seed, Stream.PRIVACY, ctx.round, LOCAL_NOISE_KEY,
+                                          update.client_id, i)
+                    noise = torch.randn(u.shape, generator=gen, dtype=torch.float32, device=gen.device)
                     units[name] = u + noise.to(u.device, u.dtype).mul_(z * clip)
         if self.adaptive:
             units[BELOW] = torch.tensor([(1.0 if norm <= clip else 0.0) - 0.5], dtype=torch.float32,
                                         device=next(iter(units.values())).device)
         update.tensors = units
         update.weights = dict.fromkeys(self.private.weights, 1.0)
+        if self.local:  # the noised update and nothing else: its loss, accuracy, norm, size are not noised
+            update.metrics = Metrics()
+            update.num_samples = 0
+            return
         update.metrics.add(CLIPPED_METRIC, 1.0 if norm > clip else 0.0)
         update.metrics.add(NORM_METRIC, norm)
 

@@ -6,14 +6,15 @@ partial sums and the algorithm's own server step, so the inline engine, Ray and 
 
 * before the round: the broadcast carries this round's clip norm C (``dp_clip``);
 * after the reduction (central DP): N(0, (z_u C)^2) is added once to the sum of each private tensor,
-  drawn from (seed, PRIVACY, round), whatever the number of workers; z_u = z without adaptive
-  clipping, else z_u = (z^-2 - (2 sigma_b)^-2)^(-1/2);
+  drawn from (seed, PRIVACY, round), whatever the number of workers, or from the server's OS CSPRNG
+  with ``privacy.secure_rng`` (always in a Flower deployment); z_u = z without adaptive clipping, else
+  z_u = (z^-2 - (2 sigma_b)^-2)^(-1/2);
 * both modes: every private weight's sum becomes the expected number of clients per round
   (clients_per_round: exactly K under fixed sampling, qN under Poisson), a public constant, so the
   algorithm's step divides the noised sum by it (DP-FedAvg's fixed denominator, McMahan et al. 2018);
   a round without clients still takes a (pure noise) step;
 * adaptive clipping: the sum of b_k - 1/2 gets N(0, sigma_b^2); b_hat = that / K + 1/2 estimates the
-  fraction of unclipped clients and C <- C exp(-lr (b_hat - quantile)) for the next round;
+  fraction of unclipped clients (clamped to [0, 1]) and C <- C exp(-lr (b_hat - quantile)) for the next round;
 * after the round: epsilon at delta after r rounds (``accounting.py``); with ``target_epsilon`` the
   loop does not start a round whose epsilon would exceed it.
 """
@@ -26,11 +27,11 @@ from typing import Any
 import torch
 
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, RoundContext
-from fl_platform.privacy.accounting import Accountant
-from fl_platform.privacy.clipping import BELOW, CLIP_KEY, bound_decoded
+from fl_platform.privacy.accounting import Accountant, check_pld_size
+from fl_platform.privacy.clipping import BELOW, CLIP_KEY, bound_decoded, noise_generator
 from fl_platform.privacy.config import PrivacyConf, count_stddev, update_noise_multiplier
 from fl_platform.privacy.spec import PrivateUploads
-from fl_platform.seeding import Stream, torch_generator
+from fl_platform.seeding import Stream
 
 SERVER_NOISE_KEY = 0  # (seed, PRIVACY, round, SERVER_NOISE_KEY, i): the noise on private tensor i (i = len: the count)
 
@@ -47,6 +48,7 @@ class ServerPrivacy:
         self.private = private
         self.sizes = {name: int(sizes[name]) for name in private.tensors}
         self.central = conf.name == "central"
+        self.secure = bool(conf.secure_rng)
         self.adaptive = self.central and conf.adaptive.enabled
         self.seed = seed
         self.expected = float(clients_per_round)
@@ -60,6 +62,10 @@ class ServerPrivacy:
         self.clip = float(conf.clip)
         self.accountant = Accountant(conf.name, conf.accountant, self.noise_multiplier, conf.delta, num_clients,
                                      clients_per_round, conf.sampling, seed)
+        # PLD's distribution for the run's rounds fits in memory, or refused now rather than mid-run
+        check_pld_size(conf.name, conf.accountant, self.noise_multiplier,
+                       rounds if self.central else self.accountant.participations(rounds), num_clients,
+                       clients_per_round, conf.sampling)
         self.stop_reason: str | None = None
         if conf.target_epsilon is not None and self.accountant.epsilon(1) > conf.target_epsilon:
             raise ValueError(f"privacy.target_epsilon={conf.target_epsilon:g} is below the epsilon of a single round "
@@ -87,9 +93,12 @@ class ServerPrivacy:
         if self.central:
             bound_decoded(update, self.private, self.clip)
 
-    def _noise(self, ctx: RoundContext, index: int, shape: tuple[int, ...], std: float) -> torch.Tensor:
-        gen = torch_generator(ctx.seed, Stream.PRIVACY, ctx.round, SERVER_NOISE_KEY, index)
-        return torch.randn(shape, generator=gen, dtype=torch.float64).mul_(std)
+    def _noise(self, ctx: RoundContext, index: int, shape: tuple[int, ...], std: float,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+        """Seeded from (seed, PRIVACY, round, index), or from the server's OS CSPRNG (``privacy.secure_rng``,
+        always in a Flower deployment), drawn on ``device`` then."""
+        gen = noise_generator(self.secure, device, ctx.seed, Stream.PRIVACY, ctx.round, SERVER_NOISE_KEY, index)
+        return torch.randn(shape, generator=gen, dtype=torch.float64, device=gen.device).mul_(std)
 
     def privatise(self, ctx: RoundContext, agg: Aggregate) -> dict[str, float]:
         """Noise the sum (central), fix the denominators, adapt C; returns the round's dp_* metrics."""
@@ -100,7 +109,7 @@ class ServerPrivacy:
             if total is None:  # no client this round (Poisson sampling, or all rejected): noise alone
                 total = torch.zeros(self.sizes[name], dtype=torch.float64)
             if std > 0:
-                total = total + self._noise(ctx, i, tuple(total.shape), std).to(total.device)
+                total = total + self._noise(ctx, i, tuple(total.shape), std, total.device).to(total.device)
             agg.tensors[name] = total
         extra = sorted(set(agg.weights) - set(self.private.weights))
         if extra:
@@ -115,7 +124,8 @@ class ServerPrivacy:
             count = float(below.sum()) if below is not None else 0.0
             if self.sigma_b > 0:
                 count += float(self._noise(ctx, len(self.private.tensors), (1,), self.sigma_b)[0])
-            estimate = count / self.expected + 0.5
+            # (clamped to [0, 1], the range of the fraction it estimates; post-processing: no privacy cost)
+            estimate = min(max(count / self.expected + 0.5, 0.0), 1.0)
             self.clip = clip * math.exp(-self.conf.adaptive.lr * (estimate - self.conf.adaptive.quantile))
             row["dp_unclipped_estimate"] = estimate
         return row

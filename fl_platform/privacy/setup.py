@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any
 
 from fl_platform.privacy.config import PrivacyConf, check_values, privacy_conf
@@ -40,6 +41,11 @@ def check_privacy(cfg: Any, spec: Any, alg_conf: Any) -> PrivacyConf:
     from fl_platform.privacy.accounting import check_covered
 
     private_uploads_of(spec, alg_conf, conf.name)
+    n = int(cfg.num_clients)
+    if conf.delta > n ** -1.1:
+        log.warning("privacy.delta=%g is above num_clients^-1.1 = %.3g: a mechanism that releases a few clients' "
+                    "data outright meets a delta near 1/num_clients; prefer delta well below (e.g. %.1g)",
+                    conf.delta, n ** -1.1, 10 ** math.floor(math.log10(n ** -1.1)))
     check_covered(conf.name, conf.accountant, conf.sampling, int(cfg.num_clients), int(cfg.clients_per_round))
     return conf
 
@@ -65,6 +71,15 @@ def resolved_privacy(cfg: Any) -> PrivacyConf:
     conf = dataclasses.replace(conf, noise_multiplier=z)
     check_values(conf, num_clients, clients_per_round)
     return conf
+
+
+def deployed(conf: PrivacyConf | None) -> PrivacyConf | None:
+    """A Flower deployment's privacy config: ``secure_rng`` on, whatever the run config says. Every client
+    is sent the run's seed (it draws its minibatches from it), so noise from that seed would be known to
+    all of them; the server and each client draw theirs from their own OS CSPRNG instead."""
+    if conf is None or conf.name == "none":
+        return conf
+    return dataclasses.replace(conf, secure_rng=True)
 
 
 def make_client_privacy(conf: PrivacyConf | None, spec: Any, alg_conf: Any):
