@@ -10,7 +10,9 @@ own file format into a temporary data root, read by the real loader). Under 5 mi
 Checks: inline ResNet-18; Ray with 1 and 2 workers per GPU (fractional shares, the results equal
 inline's within GPU float tolerance); vectorised cohorts with ``engine.cohort_size=auto`` (the
 budget from the worker's own GPU share); SCAFFOLD with distributed client state on Ray; a
-checkpoint written on the GPU run and resumed; where each run evaluated (the driver's device).
+checkpoint written on the GPU run and resumed; where each run evaluated (the driver's device); the
+training loop's steps free of host synchronisation (``torch.cuda.set_sync_debug_mode``), plain and
+vectorised; ``train.precision=bf16`` with ``train.channels_last`` and ``train.compile``.
 """
 
 from __future__ import annotations
@@ -115,8 +117,77 @@ def checks(root: Path, gpus: int) -> list[tuple[str, Callable[[], str]]]:
                 raise AssertionError(f"resumed {resumed['final_test_accuracy']} != {whole['final_test_accuracy']}")
         return "checkpoint after round 2 on GPU, resumed to round 3: same final accuracy"
 
+    def sync_free() -> str:
+        """The loop's steps under torch.cuda.set_sync_debug_mode: a fit of 3 epochs makes no more
+        synchronising calls than one of 1 epoch (the per-fit metric reads after the last step are the
+        only ones), plain loop (ResNet-18, bf16, channels-last) and vectorised cohort (CNN)."""
+        import warnings
+
+        from fl_platform.models import build_model
+        from fl_platform.training.flat import FlatModel
+        from fl_platform.training.loop import ClientData, LocalTrainer, TrainConfig
+        from fl_platform.training.vectorised import CohortMember, CohortTrainer
+
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (cpu: --cpu checks the script)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(400, 3, 32, 32, generator=g).to(dev)
+        y = torch.randint(0, 10, (400,), generator=g).to(dev)
+        datas = [ClientData(x, y, torch.arange(i * 100, i * 100 + n, device=dev))
+                 for i, n in enumerate((100, 37, 64, 90))]
+
+        def syncs(fit: Callable[[], object]) -> int:
+            if dev.type != "cuda":
+                fit()
+                return 0
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    fit()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            return sum("synchroniz" in str(w.message) for w in caught)
+
+        def counts(name: str, cohort: bool, **train) -> list[int]:
+            out = []
+            for epochs in (1, 3):
+                torch.manual_seed(0)
+                options = {"width": 16} if name == "resnet18" else {}
+                fm = FlatModel(build_model(name, (3, 32, 32), 10, **options), dev)
+                cfg = TrainConfig(epochs=epochs, batch_size=16, lr=0.05, **train)
+                if cohort:
+                    trainer = CohortTrainer(fm, cfg)
+                    trainer.unsupported_reason(x, y)  # the one-off probe, outside the count
+                    members = [CohortMember(c, d, fm.vector.detach().clone()) for c, d in enumerate(datas)]
+                    out.append(syncs(lambda t=trainer, m=members: t.fit(m, seed=0, round=0)))
+                else:
+                    trainer = LocalTrainer(fm, cfg)
+                    out.append(syncs(lambda t=trainer: t.fit(datas[0], seed=0, round=0, client=0)))
+            if out[0] != out[1]:
+                raise AssertionError(f"{name}: synchronising calls grow with the steps: {out[0]} (1 epoch), "
+                                     f"{out[1]} (3 epochs)")
+            return out
+
+        plain = counts("resnet18", False, precision="bf16", channels_last=True)
+        cohort = counts("cnn", True, precision="bf16")
+        return f"per fit, 1 and 3 epochs: plain loop {plain}, vectorised {cohort} synchronising calls"
+
+    def step_options() -> str:
+        exp, secs = run(base(root, "engine=inline", "train.precision=bf16", "train.channels_last=true"))
+        acc = exp.simulation.history[-1]["test_accuracy"]
+        diff = float((exp.simulation.server.weights - state["inline"]).abs().max())
+        if not (acc == acc and diff < 0.5):
+            raise AssertionError(f"bf16 + channels_last: accuracy {acc}, max |w - fp32| = {diff:.2e}")
+        _, secs2 = run(["dataset=cifar10", f"dataset.root={root}", "model=cnn", "num_clients=8", "clients_per_round=4",
+                        "rounds=2", "train.steps=2", "train.batch_size=32", "engine=inline", "train.compile=true"])
+        return (f"ResNet-18 bf16 + channels_last 2 rounds in {secs:.1f} s (acc {acc:.3f}, max |w - fp32| = "
+                f"{diff:.1e}); CNN with train.compile=true in {secs2:.1f} s (compile included)")
+
     out.append(("cuda", lambda: f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"))
     out.append(("inline-resnet18", inline))
+    out.append(("sync-free-loop", sync_free))
+    out.append(("bf16-channels-last-compile", step_options))
     out.append(("ray-1-worker-per-gpu", ray(1)))
     out.append(("ray-2-workers-per-gpu", ray(2)))
     out.append(("cohort-size-auto", cohort_auto))

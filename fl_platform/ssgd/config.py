@@ -105,6 +105,9 @@ def validate(cfg: DictConfig) -> None:
         (t.shuffle_offset == 0, "train.shuffle_offset",
          f"is the federated loop's noise-floor control; S-SGD shards every epoch from (seed, SHUFFLE, epoch) "
          f"and does not take it (leave it at 0), got {t.shuffle_offset}"),
+        *((t.get(key, off) == off, f"train.{key}", f"is a step option of the federated loop "
+           f"(docs/engine.md, \"The step\"); the S-SGD step does not implement it (leave it at {off}), "
+           f"got {t.get(key)}") for key, off in (("precision", "fp32"), ("channels_last", False), ("compile", False))),
         (cfg.eval_every >= 0, "eval_every", f"must be >= 0, got {cfg.eval_every}"),
         (cfg.log_every_steps >= 0, "log_every_steps", f"must be >= 0, got {cfg.log_every_steps}"),
         (s.backend in ("auto", "gloo", "nccl"), "ssgd.backend", f"must be auto, gloo or nccl; got {s.backend!r}"),
