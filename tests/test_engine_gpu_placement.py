@@ -133,3 +133,23 @@ def test_the_plan_deals_workers_over_one_bundle_per_gpu(workers, gpus, per_gpu):
     assert [p.occupants(b) for b in range(p.bundles)] == per_gpu
     assert sorted(Counter(p.bundle_of(w) for w in range(workers)).values(), reverse=True) == per_gpu
     assert [s["GPU"] for s in p.bundle_specs()] == [1.0] * len(per_gpu)
+
+
+def test_evaluation_on_a_gpu_without_one_on_the_drivers_node_is_refused_at_once():
+    cfg = {"num_workers": 4, "cpus_per_worker": 1}
+    with pytest.raises(ValueError, match=r"the driver's node has no GPU .*engine\.eval_device=cpu"):
+        plan_placement(cfg, "auto", {"CPU": 8.0, "GPU": 4.0}, eval_on_gpu=True, node_gpus=[0, 4], driver_gpus=0)
+    with pytest.raises(ValueError, match="the driver's node has no GPU"):  # CPU workers too
+        plan_placement(cfg, "cpu", {"CPU": 8.0, "GPU": 4.0}, eval_on_gpu=True, node_gpus=[0, 4], driver_gpus=0)
+    assert plan_placement(cfg, "auto", {"CPU": 8.0, "GPU": 4.0}, eval_on_gpu=True, node_gpus=[4],
+                          driver_gpus=4).eval_gpus == pytest.approx(0.1)
+
+
+def test_evaluation_goes_to_a_gpu_of_the_drivers_node_by_default_when_the_workers_have_gpus():
+    from fl_platform.engine.ray_placement import evaluates_on_gpu
+
+    assert evaluates_on_gpu("auto", gpu_workers=True, driver_gpus=8)
+    assert not evaluates_on_gpu("auto", gpu_workers=True, driver_gpus=0)  # (warned: the driver's CPU)
+    assert not evaluates_on_gpu("auto", gpu_workers=False, driver_gpus=8)  # CPU workers: the driver's CPU
+    assert not evaluates_on_gpu("cpu", gpu_workers=True, driver_gpus=8)
+    assert evaluates_on_gpu("cuda", gpu_workers=False, driver_gpus=8)

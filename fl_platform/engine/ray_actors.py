@@ -288,13 +288,20 @@ class ActorPool:
         node = self.nodes[worker_id]
         return "an unknown node" if node is None else f"node {node[:12]}"
 
-    def alive(self, worker_id: int, timeout: float = 60.0) -> bool:
+    def dead(self, timeout: float = 60.0) -> list[int]:
+        """Ids of the workers whose actor does not answer a ping within ``timeout`` seconds; every actor
+        is pinged at once, so W dead actors cost one timeout, not W."""
         ray = self._ray
-        try:
-            ray.get(self.actors[worker_id].ping.remote(), timeout=timeout)
-            return True
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            return False
+        refs = [a.ping.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        answered = set()
+        for ref in ready:
+            try:
+                ray.get(ref)
+                answered.add(refs.index(ref))
+            except ray.exceptions.RayActorError:
+                pass
+        return [w for w in range(len(refs)) if w not in answered]
 
     def restart(self, worker_id: int, reason: str) -> None:
         """Replace worker ``worker_id``'s actor by a new one and wait until it is up: on its node while
@@ -310,10 +317,10 @@ class ActorPool:
         self.incarnation[worker_id] += 1
         try:
             self.nodes[worker_id] = self._start(worker_id, node)
-        except ray.exceptions.RayActorError:
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError):
             if node is None or node in self.alive_nodes():
                 raise
-            self.nodes[worker_id] = self._start(worker_id, None)  # its node died meanwhile
+            self.nodes[worker_id] = self._start(worker_id, None)  # its node died meanwhile: like a lost node
         self.restarts += 1
 
     def _start(self, worker_id: int, node: str | None) -> str:

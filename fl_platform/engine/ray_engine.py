@@ -46,7 +46,13 @@ import torch
 from fl_platform.core import Aggregate, Broadcast, RoundContext
 from fl_platform.engine.ray_actors import START_TIMEOUT_S, ActorPool, RoundCall, hold_eval_gpu
 from fl_platform.engine.ray_cluster import connect
-from fl_platform.engine.ray_placement import GpuGroup, conf_value, plan_placement, whole_gpus
+from fl_platform.engine.ray_placement import (
+    GpuGroup,
+    conf_value,
+    evaluates_on_gpu,
+    plan_placement,
+    whole_gpus,
+)
 from fl_platform.engine.ray_state import Lending
 from fl_platform.engine.scheduler import Scheduler, check_slow_worker
 from fl_platform.engine.transport import Packed, received_bytes
@@ -108,11 +114,19 @@ class RayEngine(Engine):
             raise ValueError(f"engine.eval_device={eval_setting}: with engine=ray say cuda, and Ray picks the GPU "
                              f"whose share it holds for the driver")
         self.start_timeout_s = float(conf_value(cfg, "start_timeout_s", START_TIMEOUT_S))
-        self.placement = plan_placement(cfg, setup.device, ray.cluster_resources(), eval_on_gpu=eval_setting == "cuda",
-                                        node_gpus=whole_gpus(ray.nodes()))
+        driver = ray.get_runtime_context().get_node_id()
+        driver_gpus = sum(whole_gpus([n for n in ray.nodes() if n["NodeID"] == driver]))
+        gpu_workers = setup.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
+        on_gpu = evaluates_on_gpu(eval_setting, gpu_workers, driver_gpus)
+        if eval_setting == "auto" and gpu_workers and not on_gpu:
+            log.warning("the workers train on GPUs but the driver's node has none: the driver evaluates on its CPU "
+                        "every eval_every rounds (eval_time_s in metrics.jsonl); raise eval_every, or run the "
+                        "driver on a GPU node")
+        self.placement = plan_placement(cfg, setup.device, ray.cluster_resources(), eval_on_gpu=on_gpu,
+                                        node_gpus=whole_gpus(ray.nodes()), driver_gpus=driver_gpus)
         if self.placement.uses_gpu:  # one bundle per GPU: every GPU used before any hosts two workers
-            self.group = GpuGroup(self.placement, self.start_timeout_s, ray.get_runtime_context().get_node_id())
-        self.eval_device = torch.device("cpu")  # auto and cpu: the driver's CPU, outside the workers' GPUs
+            self.group = GpuGroup(self.placement, self.start_timeout_s, driver)
+        self.eval_device = torch.device("cpu")  # cpu, or auto with CPU workers: the driver's CPU
         if self.placement.eval_gpus:
             self._eval_slot, gpu = hold_eval_gpu(self.placement.eval_gpus, self.start_timeout_s, self.group)
             self.eval_device = driver_cuda_device(gpu)
@@ -203,7 +217,7 @@ class RayEngine(Engine):
 
     def _recover(self, reason: str) -> None:
         """Replace every dead actor; raise StateLost when client states died with one of them."""
-        dead = [w for w in range(self.num_workers) if not self.pool.alive(w)]
+        dead = self.pool.dead()
         alive_nodes = self.pool.alive_nodes()
         lost_node = {w for w in dead if self.pool.nodes[w] not in alive_nodes}
         names = {w: self.pool.node_name(w) for w in dead}
@@ -452,9 +466,8 @@ class RayEngine(Engine):
     def restore_state(self, directory: Path | None, round: int | None) -> None:
         """Every worker's store as of the checkpoint (a fresh start: empty), on the nodes there are now."""
         loaded, self._loaded = self._loaded, None
-        for w in range(self.num_workers):  # an actor lost since: replaced (its states are reset below)
-            if not self.pool.alive(w):
-                self.pool.restart(w, "restoring a checkpoint")
+        for w in self.pool.dead():  # an actor lost since: replaced (its states are reset below)
+            self.pool.restart(w, "restoring a checkpoint")
         self._lost = None
         self.manifest = Manifest()
         if not self.stateful:
