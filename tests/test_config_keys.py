@@ -292,7 +292,7 @@ def test_oneshot_fedavg_compresses_the_uploaded_weights_when_told_to():
     assert bytes_of[1] < 0.3 * bytes_of[0]
 
 
-@pytest.mark.parametrize("algorithm", ["oneshot_fedavg", "oneshot_feddf", "fusefl"])
+@pytest.mark.parametrize("algorithm", ["oneshot_fedavg", "oneshot_feddf", "fusefl", "feddyn"])
 def test_server_lr_is_not_a_key_of_algorithms_that_never_read_it(algorithm):
     with pytest.raises(Exception, match="server_lr"):
         compose_config(f"algorithm={algorithm}", "algorithm.server_lr=0.5")
