@@ -73,10 +73,16 @@ def test_bn_statistics_term_is_every_clients_mean_and_variance_distance():
     assert cost == pytest.approx(hand, rel=1e-5)
 
 
-def test_loss_of_a_step_is_ce_bn_tv_l2_and_the_competition_term():
+@pytest.mark.parametrize("jitter", [0, 2])
+def test_loss_of_a_step_is_ce_bn_tv_l2_and_the_competition_term(jitter):
     lams = dict(lambda_oh=0.7, lambda_bn=0.3, lambda_tv=0.05, lambda_l2=0.02, lambda_adi=0.9)
-    server, teachers, student = _server(di_steps=1, jitter=0, **lams)
-    x0 = _first_batch()
+    server, teachers, student = _server(di_steps=1, jitter=jitter, **lams)
+    g = torch.Generator().manual_seed(5)  # the epoch's draws in order: the batch, then the step's roll
+    x0 = torch.randn(B, *SHAPE, generator=g).clamp(LOW, HIGH)
+    if jitter:
+        dy, dx = torch.randint(-jitter, jitter + 1, (2,), generator=g).tolist()
+        assert (dy, dx) != (0, 0)
+        x0 = torch.roll(x0, shifts=(dy, dx), dims=(2, 3))  # the teachers see the rolled batch
     _, y, cost = _synthesize(server, teachers, student)
     assert y.tolist() == [i % C for i in range(B)]  # DeepInversion's cycling targets
     with torch.no_grad():
