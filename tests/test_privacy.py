@@ -351,13 +351,14 @@ def _flower_utils():
 
 # Without noise: a deployment draws its noise from the OS CSPRNG (tests/test_privacy_guarantees.py), so only
 # the noiseless mechanism can equal the simulator's run: clipping, the server's second clip, adaptive C.
-FLOWER_DP = ("num_clients=5", "clients_per_round=3", "partition=iid", "privacy=central", f"privacy.clip={CLIP}",
+# Every client in every round: under DP a deployment draws its cohorts from a secret, not from the seed.
+FLOWER_DP = ("num_clients=5", "clients_per_round=5", "partition=iid", "privacy=central", f"privacy.clip={CLIP}",
              "privacy.noise_multiplier=0", "privacy.adaptive.enabled=true", "privacy.adaptive.count_stddev=0")
 
 
 def test_flower_dp_run_equals_the_simulator(tmp_path):
     """The in-process ServerApp/ClientApp path: clipping in the ClientApp, the server's step in the
-    ServerApp's loop (Poisson cohorts, the public denominator, adaptive C from the exact count)."""
+    ServerApp's loop (the public denominator, adaptive C from the exact count)."""
     from fl_platform.flower import config as fc
     from fl_platform.flower.client_app import app as client_app
     from fl_platform.flower.server_app import run_server

@@ -95,6 +95,25 @@ def test_a_client_cannot_regenerate_the_servers_noise_in_a_deployment(tmp_path):
         assert set(context) <= {"round", "seed", "num_rounds", "num_clients", "client_id"}, sorted(context)
 
 
+def test_a_client_cannot_compute_the_cohorts_from_the_seed_it_is_sent(tmp_path):
+    """Every client is sent the run's seed (its minibatch order needs it). If the server drew the cohorts
+    from it, any client could compute who takes part in every round (rounds/sampling.py), and the
+    accountant's amplification by sampling, which assumes them hidden, would not hold against it. Under
+    DP a deployment samples from a secret of the server's: 6 Poisson rounds of 4 in 12 clients."""
+    from fl_platform.rounds.sampling import sample_clients
+
+    n, k, rounds = 12, 4, 6
+    grid, _ = _flower_run(tmp_path, f"num_clients={n}", f"clients_per_round={k}", f"rounds={rounds}",
+                          "privacy=central", f"privacy.clip={C}", f"privacy.noise_multiplier={Z}", "privacy.delta=1e-3")
+    cohorts: dict[int, set[int]] = {r: set() for r in range(rounds)}
+    for msg in grid.pushed:
+        if msg.metadata.message_type == "train":
+            context = msg.content.config_records["context"]
+            cohorts[int(context["round"])].add(int(context["client_id"]))
+    from_seed = {r: set(sample_clients(3, r, n, k, "poisson")) for r in range(rounds)}
+    assert sum(cohorts[r] == from_seed[r] for r in range(rounds)) <= 1, "the cohorts follow from the seed"
+
+
 def test_the_server_cannot_regenerate_a_clients_local_noise_and_sees_nothing_else(tmp_path):
     """Local DP: the server has every reply and the seed. Regenerating a client's noise from
     (seed, PRIVACY, round, 1, client, 0) and subtracting it would leave its clipped update (norm <= C).

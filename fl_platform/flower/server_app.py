@@ -29,7 +29,7 @@ from fl_platform.flower.payloads import PayloadCodec
 from fl_platform.flower.strategy import AlgorithmStrategy, FlowerEngine
 from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
 from fl_platform.privacy.config import sampling_of
-from fl_platform.privacy.setup import deployed, make_server_privacy
+from fl_platform.privacy.setup import deployed, make_server_privacy, secret_sampling_seed
 from fl_platform.reporting import Reporter
 from fl_platform.rounds.setup import resolve_device
 from fl_platform.rounds.simulation import LoopConfig, Simulation
@@ -94,9 +94,12 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
         client_half = spec.client(setup.algorithm_conf, alg_setup)  # what its replies look like
         uplink = make_uplink(setup.compressor, eval_model, client_half)
         sizes = contribution_sizes(client_half, eval_model)
-        # (central DP: the noise from this server's OS CSPRNG, never from the seed every client is sent)
-        privacy = make_server_privacy(deployed(setup.privacy), spec, setup.algorithm_conf, sizes, num_clients=cfg.num_clients,
-                                      clients_per_round=cfg.clients_per_round, rounds=cfg.rounds, seed=cfg.seed)
+        # Under DP the noise comes from this server's OS CSPRNG and the cohorts from a secret of its own: every
+        # client is sent the seed, from which both could otherwise be computed.
+        sampling_seed = secret_sampling_seed(setup.privacy)
+        privacy = make_server_privacy(deployed(setup.privacy), spec, setup.algorithm_conf, sizes,
+                                      num_clients=cfg.num_clients, clients_per_round=cfg.clients_per_round,
+                                      rounds=cfg.rounds, seed=cfg.seed if sampling_seed is None else sampling_seed)
         strategy = AlgorithmStrategy(server, seed=cfg.seed, num_rounds=cfg.rounds, num_clients=cfg.num_clients,
                                      clients_per_round=cfg.clients_per_round, deploy=deploy,
                                      expected_sizes=sizes, codec=PayloadCodec(uplink) if uplink is not None else None,
@@ -105,7 +108,7 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
         strategy.connect(grid)
         loop = LoopConfig(seed=cfg.seed, rounds=cfg.rounds, clients_per_round=cfg.clients_per_round,
                           eval_every=cfg.eval_every, eval_batch_size=cfg.eval_batch_size,
-                          sampling=sampling_of(setup.privacy), nonfinite=setup.nonfinite)
+                          sampling=sampling_of(setup.privacy), sampling_seed=sampling_seed, nonfinite=setup.nonfinite)
         sim = Simulation(loop, data, server, FlowerEngine(strategy, grid), eval_model,
                          metrics=MetricsLog(rd.metrics), reporter=reporter)
         sim.privacy = privacy  # the noise on the sum, epsilon and the target-epsilon stop: the simulator's loop

@@ -82,6 +82,17 @@ def deployed(conf: PrivacyConf | None) -> PrivacyConf | None:
     return dataclasses.replace(conf, secure_rng=True)
 
 
+def secret_sampling_seed(conf: PrivacyConf | None) -> int | None:
+    """A Flower deployment's seed for the cohorts under DP: 63 bits from the server's OS CSPRNG, kept on the
+    server (the accountant's amplification by sampling assumes the cohorts hidden, and every client is sent
+    the run's seed); None without DP (the cohorts of the run's seed, as the simulator draws them)."""
+    if conf is None or conf.name == "none":
+        return None
+    import secrets
+
+    return secrets.randbits(63)
+
+
 def make_client_privacy(conf: PrivacyConf | None, spec: Any, alg_conf: Any):
     """The client half (``clipping.ClientPrivacy``), or None for ``privacy=none``."""
     if conf is None or conf.name == "none":

@@ -63,6 +63,9 @@ class LoopConfig:
     eval_every: int = 1
     eval_batch_size: int = 1024
     sampling: str = "fixed"  # rounds/sampling.py: fixed-size, or Poisson (privacy.sampling)
+    # the cohorts' seed (None: ``seed``); a Flower deployment under DP draws a secret one, since every client
+    # is sent ``seed`` (fl_platform/flower/server_app.py)
+    sampling_seed: int | None = None
     nonfinite: str = "fail"  # engine.nonfinite: a non-finite test loss or accuracy stops the run ("fail") or is logged
 
 
@@ -98,7 +101,8 @@ class Simulation:
 
     def run_round(self, r: int) -> dict[str, Any]:
         t0 = time.perf_counter()
-        clients = sample_clients(self.loop.seed, r, self.num_clients, self.loop.clients_per_round, self.loop.sampling)
+        clients = sample_clients(self.loop.seed if self.loop.sampling_seed is None else self.loop.sampling_seed, r,
+                                 self.num_clients, self.loop.clients_per_round, self.loop.sampling)
         ctx = RoundContext(round=r, seed=self.loop.seed, clients=clients, num_rounds=self.loop.rounds,
                            num_clients=self.num_clients)
         broadcast = self.server.broadcast(ctx)
