@@ -71,7 +71,7 @@ class ScaffoldClient(ClientAlgorithm):
         delta = fm.vector - plan.start
         n = data.num_samples
         if steps > 0:
-            c_new = c_i - c - delta[: fm.num_params] / (steps * trainer.cfg.lr)
+            c_new = c_i - c - delta[: fm.num_params] / (steps * trainer.cfg.at_round(ctx.round).lr)
         else:
             c_new = c_i.clone()
         delta_c = c_new - c_i

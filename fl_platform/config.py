@@ -285,7 +285,8 @@ class EngineConf:
     device: str = "auto"  # auto = cuda if available, else cpu
     cpus_per_worker: float = 1.0
     gpus_per_worker: float | None = None  # None: an even split of its GPU (one Ray bundle per GPU, workers dealt over them)
-    threads_per_worker: int | None = None  # torch intra-op threads (ray, None: cpus_per_worker, min 1; inline, None: torch default)
+    # torch intra-op threads per worker; None: cpus_per_worker (min 1), so 1 inline: no thread cliff on a shared machine
+    threads_per_worker: int | None = None
     state_store: str = "memory"  # memory | disk | distributed (see docs/engine.md)
     # disk/distributed: where client state lives. Inline: None = <run dir>/client_state. Ray: a path
     # interpreted on every node (node-local folders; None: the node's FL_NODE_STATE_DIR or temp dir).

@@ -83,6 +83,8 @@ def validate(cfg: DictConfig) -> None:
         (engine.eval_device in ("auto", "cpu") or engine.eval_device.split(":")[0] == "cuda", "engine.eval_device",
          f"must be auto, cpu or cuda[:k]; got {engine.eval_device!r}"),
         (engine.start_timeout_s > 0, "engine.start_timeout_s", f"must be > 0, got {engine.start_timeout_s}"),
+        (engine.threads_per_worker is None or engine.threads_per_worker >= 1, "engine.threads_per_worker",
+         f"must be >= 1 (or null: engine.cpus_per_worker, 1 inline), got {engine.threads_per_worker}"),
         (engine.fault_injection.client is None or enum_value(engine.name) == "ray", "engine.fault_injection",
          "is a test-only fault for Ray workers; it needs engine=ray"),
         (engine.fault_injection.slow_worker is not None or engine.fault_injection.slow_factor == 1.0,
@@ -105,6 +107,8 @@ def validate(cfg: DictConfig) -> None:
     train = cfg.train
     checks.append((not train.nesterov or train.optimizer != "sgd" or train.momentum > 0, "train.nesterov",
                    f"needs train.momentum > 0, got momentum={train.momentum}"))
+    schedule = train_config(cfg).lr_schedule
+    checks += [(False, f"train.lr_schedule.{key}", why) for key, why in schedule.problems(cfg.train.lr)]
     for ok, key, message in checks:
         if not ok:
             raise ConfigError(f"{key} {message}")
@@ -165,10 +169,13 @@ def check_plugins(cfg: DictConfig) -> None:
 
 
 def train_inactive(train: TrainConfig) -> dict[str, str]:
-    """Local-training fields that the chosen optimizer does not read (field -> why)."""
+    """Local-training fields that the chosen optimizer or lr schedule does not read (field -> why)."""
+    schedule = {f"lr_schedule.{k}": why for k, why in train.lr_schedule.inactive_fields().items()}
     if train.optimizer == "sgd":
-        return dict.fromkeys(("adam_beta1", "adam_beta2", "adam_eps"), "an Adam setting, and train.optimizer=sgd")
-    return dict.fromkeys(("momentum", "nesterov"), f"an SGD setting, and train.optimizer={train.optimizer}")
+        return {**dict.fromkeys(("adam_beta1", "adam_beta2", "adam_eps"), "an Adam setting, and train.optimizer=sgd"),
+                **schedule}
+    return {**dict.fromkeys(("momentum", "nesterov"), f"an SGD setting, and train.optimizer={train.optimizer}"),
+            **schedule}
 
 
 def _field(conf: Any, dotted: str) -> Any:
@@ -251,7 +258,11 @@ def check_privacy_keys(cfg: DictConfig, spec: Any, alg: Any) -> None:
 
 
 def train_config(cfg: DictConfig) -> TrainConfig:
-    return TrainConfig(**OmegaConf.to_container(cfg.train, resolve=True))
+    """The train section; a cosine schedule's horizon (``lr_schedule.rounds``) defaults to the run's rounds."""
+    train = TrainConfig(**OmegaConf.to_container(cfg.train, resolve=True))
+    if train.lr_schedule.name == "cosine" and train.lr_schedule.rounds is None:
+        train.lr_schedule.rounds = int(cfg.rounds)
+    return train
 
 
 def algorithm_name(cfg: DictConfig) -> str:
@@ -318,7 +329,14 @@ def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
         raise ConfigError(str(err)) from None
     plugins.note_in_use(user_code)
     engine = cfg.engine
+    # One torch thread per CPU a worker owns (inline: 1) unless set: more threads than free cores make
+    # every OpenMP barrier wait for a descheduled thread, and a run on a shared machine slows 10-100x
+    # (docs/engine.md "Threads", scripts/bench/threads.py).
     threads = engine.threads_per_worker or max(1, int(engine.cpus_per_worker))
+    log.info("torch threads per worker: %d (%s; the machine has %d cores; docs/engine.md, Threads)", threads,
+             "engine.threads_per_worker" if engine.threads_per_worker else
+             "default: engine.cpus_per_worker, 1 inline, which does not collapse on a shared machine; set "
+             "engine.threads_per_worker=N for a large CPU model on idle cores", os.cpu_count() or 1)
     return ExperimentSetup(
         dataset=data, model=model, algorithm=spec, algorithm_conf=alg_conf,
         train=train_config(cfg), seed=cfg.seed, device=engine.device, state_store=engine.state_store,
@@ -328,7 +346,7 @@ def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
                        **({"backend": engine.state_backend} if engine.state_store == "distributed" else {})},
         nonfinite=enum_value(engine.nonfinite),
         cohort_size=parse_cohort_size(engine.cohort_size),
-        threads=threads if enum_value(engine.name) == "ray" else engine.threads_per_worker,
+        threads=threads,
         compressor=OmegaConf.to_container(cfg.compressor, resolve=True) if cfg.get("compressor") else None,
         system=build_system(cfg.get("system"), cfg.seed),
         privacy=resolved_privacy(cfg),

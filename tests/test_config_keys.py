@@ -36,6 +36,7 @@ from fl_platform.experiment import build
 from fl_platform.privacy.config import PrivacyConf
 from fl_platform.system.config import DistConf, SystemConf
 from fl_platform.training.loop import TrainConfig
+from fl_platform.training.schedule import LrSchedule
 
 from .conftest import compose_config
 
@@ -404,12 +405,30 @@ TRAIN_ALLOW = {"compile": "torch.compile of the same forward"}
 
 
 @pytest.mark.parametrize(("base", "name", "default"),
-                         [pytest.param(b, n, d, id=f"{b}-{n}") for b in TRAIN_BASES for n, d in _fields(TrainConfig)])
+                         [pytest.param(b, n, d, id=f"{b}-{n}") for b in TRAIN_BASES for n, d in _fields(TrainConfig)
+                          if n != "lr_schedule"])  # (its fields: the next test)
 def test_every_train_field_changes_the_run_or_is_refused(base, name, default):
     overrides = (*TINY, *MLP, "rounds=1", *TRAIN_BASES[base])
     current = OmegaConf.select(_base(overrides), f"train.{name}")
     spec = TRAIN_PERTURB.get(f"{base}.{name}", TRAIN_PERTURB.get(name, _generic(current)))
     check_key(overrides, "train", name, f"train({base})", None if name in TRAIN_ALLOW else spec)
+
+
+# train.lr_schedule on 3 rounds, from each schedule (the context sets it in both runs); name is switched
+# from constant (from step or cosine, the switch leaves their own fields set, refused under their keys).
+SCHEDULE_BASES: dict[str, dict[str, Any]] = {"constant": {}, "step": {"lr_schedule.name": "step",
+                                                                      "lr_schedule.step_every": 1},
+                                             "cosine": {"lr_schedule.name": "cosine"}}
+SCHEDULE_PERTURB: dict[str, Any] = {"name": "cosine", "step_every": 2, "gamma": 0.05, "min_lr": 0.01, "rounds": 5}
+
+
+@pytest.mark.parametrize(("base", "name"), [pytest.param(b, n, id=f"{b}-{n}") for b in SCHEDULE_BASES
+                                            for n, _ in _fields(LrSchedule) if b == "constant" or n != "name"])
+def test_every_lr_schedule_field_changes_the_run_or_is_refused(base, name):
+    overrides = (*TINY, *MLP, "rounds=3")
+    current = OmegaConf.select(_base(overrides), f"train.lr_schedule.{name}")
+    value = SCHEDULE_PERTURB.get(name, _generic(current))
+    check_key(overrides, "train", f"lr_schedule.{name}", f"lr_schedule({base})", Perturb(value, SCHEDULE_BASES[base]))
 
 
 # ---------------------------------------------------------------- server optimisers

@@ -3,6 +3,8 @@ give the same global model (max abs difference <= 1e-6) and the same metrics."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,8 +16,9 @@ from .conftest import compose_config
 COMMON = ("rounds=3", "train.epochs=1", "clients_per_round=12", "engine.threads_per_worker=1")
 
 
-def run(*overrides: str) -> tuple[torch.Tensor, list[dict]]:
-    exp = build(compose_config(*COMMON, *overrides))
+def run(*overrides: str, base: tuple[str, ...] = COMMON, run_dir: Path | None = None) -> tuple[torch.Tensor, list[dict]]:
+    """(final global weights, metric rows without timings) of the run ``base`` + ``overrides``."""
+    exp = build(compose_config(*base, *overrides), run_dir)
     try:
         exp.simulation.run()
     finally:

@@ -22,6 +22,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from fl_platform.compression.registry import CompressorConf
 from fl_platform.config import DatasetConf, LoggerConf, ModelConf
 from fl_platform.training.loop import TrainConfig
+from fl_platform.training.schedule import LrSchedule
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 CONFIG_NAME = "ssgd"
@@ -105,6 +106,9 @@ def validate(cfg: DictConfig) -> None:
         (t.shuffle_offset == 0, "train.shuffle_offset",
          f"is the federated loop's noise-floor control; S-SGD shards every epoch from (seed, SHUFFLE, epoch) "
          f"and does not take it (leave it at 0), got {t.shuffle_offset}"),
+        (t.get("lr_schedule") is None or dict(t.lr_schedule) == vars(LrSchedule()), "train.lr_schedule",
+         f"schedules the rate across federated rounds; S-SGD has no rounds (leave it at its defaults), got "
+         f"{t.get('lr_schedule')}"),
         *((t.get(key, off) == off, f"train.{key}", f"is a step option of the federated loop "
            f"(docs/engine.md, \"The step\"); the S-SGD step does not implement it (leave it at {off}), "
            f"got {t.get(key)}") for key, off in (("precision", "fp32"), ("channels_last", False), ("compile", False))),

@@ -8,7 +8,8 @@ copy. The simulator's workers, the Flower ClientApp and the S-SGD baseline all c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -18,6 +19,7 @@ from fl_platform.seeding import Stream, seed_torch_global, torch_generator
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.hooks import Batch, TrainHooks
 from fl_platform.training.optim import FlatOptimizer, make_optimizer
+from fl_platform.training.schedule import LrSchedule
 from fl_platform.training.step import (
     LossScaler,
     as_channels_last,
@@ -62,6 +64,18 @@ class TrainConfig:
     precision: str = "fp32"
     channels_last: bool = False
     compile: bool = False
+    # The rate of each round (fl_platform/training/schedule.py): a function of the round index only.
+    lr_schedule: LrSchedule = field(default_factory=LrSchedule)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lr_schedule, Mapping):  # (from a config container)
+            self.lr_schedule = LrSchedule(**self.lr_schedule)
+
+    def at_round(self, round: int) -> TrainConfig:
+        """This config with the rate of 0-based round ``round`` as ``lr`` (and a constant schedule)."""
+        if self.lr_schedule.is_constant():
+            return self
+        return replace(self, lr=self.lr_schedule.lr_at(self.lr, round), lr_schedule=LrSchedule())
 
     def num_steps(self, num_samples: int) -> int:
         if self.steps is not None:
@@ -143,7 +157,7 @@ class LocalTrainer:
         are not the first training's.
         Raises NonFiniteError when the loss becomes NaN/inf, naming the client and round.
         """
-        cfg = cfg or self.cfg
+        cfg = (cfg or self.cfg).at_round(round)
         hooks = hooks or TrainHooks()
         fm = self.fm
         model = fm.model
@@ -152,6 +166,7 @@ class LocalTrainer:
         opts = [(r, self._optimizer_for(r)) for r in ranges]
         for _, opt in opts:
             opt.reset()
+            opt.lr = cfg.lr  # (this round's: train.lr_schedule)
         n = data.num_samples
         total_steps = cfg.num_steps(n)
         bs = cfg.batch_size

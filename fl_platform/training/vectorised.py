@@ -163,7 +163,8 @@ class CohortTrainer:
         """
         if not members:
             return []
-        cfg, fm, fn = self.cfg, self.fm, self.fn
+        cfg, fm, fn = self.cfg.at_round(round), self.fm, self.fn
+        self.optimizer.cfg = cfg  # (this round's rate: train.lr_schedule)
         x, y = members[0].data.x, members[0].data.y
         aug = members[0].data.augment
         if any(m.data.augment is not aug for m in members):
