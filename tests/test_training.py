@@ -266,3 +266,22 @@ def test_compile_compiles_the_forward_before_the_first_round_and_trains_as_eager
     assert dynamo_utils.counters["stats"]["unique_graphs"] - graphs == compiled  # nothing compiled in the fit
     LocalTrainer(eager, cfg).fit(data, seed=0, round=0, client=0)
     torch.testing.assert_close(fm.vector, eager.vector, rtol=0, atol=1e-5)
+
+
+def test_cudnn_benchmark_is_on_for_cuda_workers_unless_determinism_is_asked():
+    from fl_platform.training.step import enable_cudnn_benchmark
+
+    before = (torch.backends.cudnn.benchmark, torch.are_deterministic_algorithms_enabled())
+    try:
+        torch.backends.cudnn.benchmark = False
+        enable_cudnn_benchmark(torch.device("cpu"))
+        assert torch.backends.cudnn.benchmark is False
+        torch.use_deterministic_algorithms(True)
+        enable_cudnn_benchmark(torch.device("cuda"))  # (sets a flag only: no device needed)
+        assert torch.backends.cudnn.benchmark is False
+        torch.use_deterministic_algorithms(False)
+        enable_cudnn_benchmark(torch.device("cuda"))
+        assert torch.backends.cudnn.benchmark is True
+    finally:
+        torch.backends.cudnn.benchmark = before[0]
+        torch.use_deterministic_algorithms(before[1])
