@@ -328,3 +328,22 @@ def test_a_delta_above_n_to_the_minus_1_1_is_warned(caplog):
         build(compose_config(*BASE, "num_clients=20", "clients_per_round=8", "rounds=1", "privacy=central",
                              "privacy.delta=0.01")).engine.close()
     assert not any("num_clients^-1.1" in r.getMessage() for r in caplog.records)
+
+
+def test_local_dp_keeps_the_system_models_compute_time():
+    """Local DP strips the sample count and metrics from what a client sends; the simulated device still
+    trained them: its simulated compute time equals the same run's under central DP (same cohorts, same
+    training), not 0."""
+    def rows(mode: str) -> list[dict]:
+        exp = build(compose_config(*BASE, "num_clients=10", "clients_per_round=4", "rounds=2", "system=uniform",
+                                   f"privacy={mode}", "privacy.delta=1e-3"))
+        try:
+            exp.simulation.run()
+        finally:
+            exp.engine.close()
+        return exp.simulation.history
+
+    local, central = rows("local"), rows("central")
+    assert "train_loss" not in local[0] and "train_loss" in central[0]
+    for a, b in zip(local, central):
+        assert a["sim_compute_s"] == pytest.approx(b["sim_compute_s"], rel=1e-9) and a["sim_compute_s"] > 0

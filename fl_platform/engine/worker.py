@@ -73,6 +73,9 @@ class _Round:
     staged: dict[int, State] = field(default_factory=dict)
     bytes_up: int = 0
     client_stats: dict[int, dict[str, float]] = field(default_factory=dict)
+    # samples each client trained, read before local DP strips its counts from the update: the system
+    # model's compute time is the device's own, not something the update tells the server
+    samples: dict[int, float] = field(default_factory=dict)
 
 
 class Worker:
@@ -235,6 +238,7 @@ class Worker:
             acc.rejected[cid] = str(err)
             return None
         if self.privacy is not None and not self._summed:  # (a chunk summed at once clipped each client)
+            acc.samples[cid] = client_stat(update, self.setup.train)["samples"]
             self.privacy.apply(ctx, bc, update)  # clip first: what is clipped is what is compressed
         if self.uplink is not None:  # encode, count the real bytes, keep what the server decodes
             update.state = self.uplink.merge_state(state, update.state, self.uplink.apply(ctx, cid, update, own))
@@ -336,6 +340,8 @@ class Worker:
             update.bytes_up = sum(t.numel() * 4 for t in update.tensors.values())
         acc.bytes_up += update.bytes_up
         acc.client_stats[update.client_id] = client_stat(update, self.setup.train)
+        if update.client_id in acc.samples:
+            acc.client_stats[update.client_id]["samples"] = acc.samples[update.client_id]
         acc.metrics.merge(update.metrics)
         if not self.summable:
             update.tensors = {k: v.detach().to("cpu") for k, v in update.tensors.items()}
