@@ -260,8 +260,9 @@ class FederatedDataset:
 
 
 def split_local_test(partition: Partition, labels: np.ndarray, fraction: float, seed: int,
-                     ) -> tuple[Partition, Partition]:
-    """Each client's rows cut into (train, local test), stratified by label, from (seed, client).
+                     stream: Stream = Stream.LOCAL_TEST) -> tuple[Partition, Partition]:
+    """Each client's rows cut into (train, local test), stratified by label, from (seed, client)
+    (``stream``: the early-stopping validation split is cut the same way from its own stream).
 
     A client of n >= 2 rows gets round(fraction * n) test rows, at least 1 and at most n - 1, shared
     among its classes by largest remainder of ``fraction * count`` (ties: the rarer class first, then
@@ -287,7 +288,7 @@ def split_local_test(partition: Partition, labels: np.ndarray, fraction: float, 
                 take[i] += 1
             while take.sum() > k:  # (floors alone exceed k only through k's cap at n - 1)
                 take[np.argmax(take)] -= 1
-            rng = numpy_rng(seed, Stream.LOCAL_TEST, c)
+            rng = numpy_rng(seed, stream, c)
             for cls_, t in zip(classes, take):
                 if t:
                     members = np.flatnonzero(ys == cls_)

@@ -42,12 +42,15 @@ __all__ = ["Result", "compose", "overrides_for", "run", "run_config", "source_fr
 @dataclass
 class Result:
     """What a run gives back: the summary (as summary.json), one metrics row per round (as
-    metrics.jsonl), the composed config, and the run directory (None when nothing was written)."""
+    metrics.jsonl), the composed config, the run directory (None when nothing was written) and the
+    final global model (a fresh instance of the run's model with the server's last weights, on the CPU,
+    in eval mode; as model.pt holds them)."""
 
     summary: dict[str, Any]
     history: list[dict[str, Any]]
     config: DictConfig
     run_dir: Path | None = None
+    model: Any = None  # torch.nn.Module
 
     def metric(self, name: str) -> list[tuple[int, float]]:
         """(round, value) for every round whose row has ``name`` (e.g. ``test_accuracy``)."""
@@ -62,13 +65,16 @@ def compose(overrides: Sequence[str] = (), **objects: Any) -> DictConfig:
 
 
 def run(overrides: Sequence[str] = (), *, model: Any = None, data: Any = None, partition: Any = None,
-        algorithm: Any = None, run_dir: str | os.PathLike[str] | None = None) -> Result:
+        algorithm: Any = None, callbacks: Sequence[Any] = (), run_dir: str | os.PathLike[str] | None = None
+        ) -> Result:
     """Compose the config from ``overrides`` and the objects, run it, return a :class:`Result`.
 
+    ``callbacks``: called after each round as ``on_round_end(round, metrics, model)`` (objects with that
+    method, or functions); one that returns true stops the run (fl_platform/rounds/callbacks.py).
     ``run_dir``: where config.yaml, metrics.jsonl, summary.json, model.pt and checkpoints go (as the
     CLI's run directory); None writes nothing.
     """
-    cfg = compose(overrides, model=model, data=data, partition=partition, algorithm=algorithm)
+    cfg = compose(overrides, model=model, data=data, partition=partition, algorithm=algorithm, callbacks=callbacks)
     return run_config(cfg, run_dir)
 
 
@@ -77,13 +83,15 @@ def run_config(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -
     from fl_platform.experiment import execute
 
     outcome = execute(cfg, run_dir)
-    return Result(outcome.summary, outcome.history, cfg, Path(run_dir) if run_dir is not None else None)
+    return Result(outcome.summary, outcome.history, cfg, Path(run_dir) if run_dir is not None else None,
+                  outcome.model)
 
 
 # ---------------------------------------------------------------- objects -> overrides
 
 
-def overrides_for(model: Any = None, data: Any = None, partition: Any = None, algorithm: Any = None) -> list[str]:
+def overrides_for(model: Any = None, data: Any = None, partition: Any = None, algorithm: Any = None,
+                  callbacks: Sequence[Any] = ()) -> list[str]:
     """The Hydra overrides that make the run use these objects.
 
     * ``model``: an ``nn.Module`` subclass or a function returning a module, called with
@@ -93,6 +101,7 @@ def overrides_for(model: Any = None, data: Any = None, partition: Any = None, al
     * ``partition``: a partitioner's name (``dirichlet``, ...), or one sequence of training-sample
       indices per client (each sample in at most one client; num_clients becomes their number).
     * ``algorithm``: an ``AlgorithmSpec`` (registered under its name in this process), or a name.
+    * ``callbacks``: objects with ``on_round_end(round, metrics, model)``, or such functions (``callbacks=``).
     """
     from fl_platform.algorithms.registry import register_algorithm
     from fl_platform.plugins import object_ref
@@ -131,6 +140,12 @@ def overrides_for(model: Any = None, data: Any = None, partition: Any = None, al
         out.append(f"algorithm={algorithm}")
     elif algorithm is not None:
         raise TypeError(f"algorithm must be an AlgorithmSpec or a name, got a {type(algorithm).__name__}")
+    if callbacks:
+        for cb in callbacks:
+            if not callable(getattr(cb, "on_round_end", cb)):
+                raise TypeError(f"callbacks: a {type(cb).__name__} has no on_round_end(round, metrics, model) and is "
+                                "not callable")
+        out.append("callbacks=[" + ",".join(_quote(object_ref(cb)) for cb in callbacks) + "]")
     return out
 
 

@@ -21,6 +21,7 @@ from fl_platform.algorithms.server_opt import ServerOptConf, server_opt_schemas
 from fl_platform.compression.registry import CompressorConf, compressor_schemas
 from fl_platform.datasets.augment import AugmentConf
 from fl_platform.privacy.config import PrivacyConf, privacy_schemas
+from fl_platform.rounds.callbacks import EarlyStopConf
 from fl_platform.system.config import SystemConf, system_schemas
 from fl_platform.training.loop import TrainConfig
 
@@ -359,6 +360,10 @@ class Config:
     server_opt: ServerOptConf = MISSING  # adaptive server optimisers (algorithms/server_opt.py, FedAdam/Yogi/Adagrad)
     engine: EngineConf = field(default_factory=EngineConf)
     logger: LoggerConf = field(default_factory=LoggerConf)
+    # Between rounds (fl_platform/rounds/callbacks.py, docs/python-api.md): early stopping on a validation
+    # split of the clients' training rows; on_round_end callbacks (import paths or {_target_: ..., args}).
+    early_stop: EarlyStopConf = field(default_factory=EarlyStopConf)
+    callbacks: list[Any] = field(default_factory=list)
     eval: EvalConf = field(default_factory=EvalConf)  # per-client evaluation (eval.clients)
 
 
@@ -437,6 +442,14 @@ def register_resolvers() -> None:
     # train.steps has no epochs value it would ignore (an explicit train.epochs beside it is refused).
     OmegaConf.register_new_resolver("fl_unless_set", lambda other, value: value if other is None else None,
                                     replace=True)
+    # Run directories and sweep folders name the user's plug-ins, not plugin/custom (outputs.plugin_name).
+    OmegaConf.register_new_resolver("fl_name", _plugin_name, replace=True)
+
+
+def _plugin_name(group: str, name: str, target: Any = None) -> str:
+    from fl_platform.outputs import plugin_name
+
+    return plugin_name(group, name, target)
 
 
 def register_configs() -> None:

@@ -24,10 +24,18 @@ from fl_platform.config import EngineConf, options_of, unknown_keys
 from fl_platform.datasets.federated import FederatedDataset, build_federated_dataset
 from fl_platform.engine.scheduler import balance_warning
 from fl_platform.models import check_model_input
-from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
+from fl_platform.outputs import (
+    MetricsLog,
+    RunDir,
+    atomic_torch_save,
+    atomic_write_json,
+    atomic_write_text,
+    plugin_name,
+)
 from fl_platform.privacy.config import sampling_of
 from fl_platform.privacy.setup import resolved_privacy, server_privacy_for
 from fl_platform.reporting import Reporter
+from fl_platform.rounds.callbacks import EarlyStopConf, RoundEnd, load_callbacks, validation_split
 from fl_platform.rounds.checkpoint import Checkpointer
 from fl_platform.rounds.client_eval import CLIENT_METRICS, ClientEvaluation
 from fl_platform.rounds.engine import Engine, workers_table
@@ -109,9 +117,12 @@ def validate(cfg: DictConfig) -> None:
                    f"needs train.momentum > 0, got momentum={train.momentum}"))
     schedule = train_config(cfg).lr_schedule
     checks += [(False, f"train.lr_schedule.{key}", why) for key, why in schedule.problems(cfg.train.lr)]
+    early = early_stop_conf(cfg)
+    checks += [(False, f"early_stop.{key}", why) for key, why in early.problems()]
     for ok, key, message in checks:
         if not ok:
             raise ConfigError(f"{key} {message}")
+    refuse_inactive("early_stop", early, EarlyStopConf(), early.inactive_fields())
     check_keys_and_plugins(cfg)
     check_effective(cfg)
     check_eval(cfg)
@@ -164,6 +175,7 @@ def check_plugins(cfg: DictConfig) -> None:
             ds = cfg.dataset
             own = options_of(ds, exclude=("name", "root", "download", "augment", "_target_"))
             custom_loader(None if OmegaConf.is_missing(ds, "_target_") else ds._target_, own, ds.root, ds.download)
+        load_callbacks(OmegaConf.to_container(cfg.callbacks, resolve=True) if "callbacks" in cfg else [])
     except (ValueError, TypeError) as err:  # PluginError is a ValueError
         raise ConfigError(str(err)) from None
 
@@ -255,6 +267,22 @@ def check_privacy_keys(cfg: DictConfig, spec: Any, alg: Any) -> None:
         check_privacy(cfg, spec, alg)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def early_stop_conf(cfg: DictConfig) -> EarlyStopConf:
+    """The ``early_stop`` section (off when the config has none)."""
+    node = cfg.get("early_stop")
+    return EarlyStopConf() if node is None else EarlyStopConf(**OmegaConf.to_container(node, resolve=True))
+
+
+def round_end_for(cfg: DictConfig, data: FederatedDataset) -> tuple[FederatedDataset, RoundEnd | None]:
+    """``data`` without the early-stopping validation rows, and what runs between rounds (None: nothing)."""
+    early = early_stop_conf(cfg)
+    callbacks = load_callbacks(OmegaConf.to_container(cfg.callbacks, resolve=True) if "callbacks" in cfg else [])
+    data, validation = validation_split(data, early, cfg.seed)
+    if not callbacks and validation is None:
+        return data, None
+    return data, RoundEnd(callbacks, early, validation)
 
 
 def train_config(cfg: DictConfig) -> TrainConfig:
@@ -428,7 +456,7 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
             if checkpointer.latest_file.exists():
                 check_resumable(cfg, rd.config)
             ckpt = checkpointer.load()  # an unusable latest checkpoint: the one before, or CheckpointError
-    data = load_data(cfg)
+    data, round_end = round_end_for(cfg, load_data(cfg))
     setup = make_setup(cfg, data)
     # The run dir is the driver's: the Ray engine keeps states in node-local folders unless one is shared.
     if (rd is not None and setup.state_store != "memory" and "directory" not in setup.state_options
@@ -465,6 +493,7 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
                      checkpointer=checkpointer if cfg.checkpoint_every > 0 else None)
     sim.system = setup.system
     sim.privacy = privacy
+    sim.round_end = round_end
     if eval_clients(cfg) != "none":
         sim.client_eval = ClientEvaluation(eval_clients(cfg), data.num_clients,
                                            rd.path / CLIENT_METRICS if rd is not None else None)
@@ -536,6 +565,7 @@ class Outcome:
 
     summary: dict[str, Any]
     history: list[dict[str, Any]]
+    model: torch.nn.Module | None = None  # the final global model (the run's model class, on the CPU)
 
 
 def run_experiment(cfg: DictConfig, run_dir: Path | str | None = None) -> dict[str, Any]:
@@ -568,7 +598,7 @@ def execute(cfg: DictConfig, run_dir: Path | str | None = None) -> Outcome:
             exp.engine.close()
         summary.update({
             "setup_time_s": setup_s,
-            "algorithm": algorithm_name(cfg), "dataset": cfg.dataset.name, "model": cfg.model.name,
+            "algorithm": algorithm_name(cfg), "dataset": _name_of("dataset", cfg), "model": _name_of("model", cfg),
             "partition": cfg.partition.name, "seed": cfg.seed, "num_clients": cfg.num_clients,
             "clients_per_round": cfg.clients_per_round,
             "engine": enum_value(cfg.engine.name),
@@ -580,4 +610,19 @@ def execute(cfg: DictConfig, run_dir: Path | str | None = None) -> Outcome:
         failed = False
     finally:
         reporter.close(summary, failed=failed)
-    return Outcome(summary, [dict(row) for row in exp.simulation.history])
+    return Outcome(summary, [dict(row) for row in exp.simulation.history], final_model(exp))
+
+
+def _name_of(group: str, cfg: DictConfig) -> str:
+    """The summary's name for ``group``: the option's, or the user's plug-in's (outputs.plugin_name)."""
+    node = cfg[group]
+    return plugin_name(group, node.name, None if OmegaConf.is_missing(node, "_target_") else node.get("_target_"))
+
+
+def final_model(exp: Experiment) -> torch.nn.Module:
+    """A fresh instance of the run's model holding the server's final weights (CPU, eval mode)."""
+    sim = exp.simulation
+    with torch.random.fork_rng(devices=[]):  # (its initialisation draws nothing from the run's streams)
+        model = exp.setup.model()
+    model.load_state_dict(sim.eval_model.state_dict(sim.server.weights))
+    return model.eval()

@@ -128,3 +128,24 @@ class RunDir:
     model = property(lambda self: self.path / "model.pt")
     checkpoint = property(lambda self: self.path / "checkpoint")
     wandb_id = property(lambda self: self.path / "wandb_id")
+
+
+def plugin_name(group: str, name: str, target: Any = None) -> str:
+    """What a run directory, a sweep folder and summary.json call option ``name`` of ``group``: its own
+    name, or for the user's code (``algorithm=plugin``, ``dataset=custom``, ``model=custom``) the
+    plug-in's: an algorithm spec's ``name``, else the last part of the import path (``mypkg.nets:WideNet``:
+    ``WideNet``); data given to ``fl_platform.api`` as objects: their source's name."""
+    if name not in ("plugin", "custom") or not target or str(target) == "???":
+        return str(name)
+    ref = str(target)
+    try:  # (resolving the reference imports the user's module: it is imported for the run anyway)
+        from fl_platform.plugins import load
+
+        obj = load(ref, f"{group}._target_")
+    except Exception:  # named by its text when it does not load here
+        obj = None
+    own = getattr(obj, "name", None) if group == "algorithm" else getattr(getattr(obj, "source", None), "name", None)
+    if isinstance(own, str) and own:
+        return own
+    text = ref.split("@", 1)[0].removeprefix("object:")  # object:Name@id -> Name
+    return text.replace(":", ".").rsplit(".", 1)[-1] or str(name)

@@ -28,6 +28,7 @@ class Stream(enum.IntEnum):
     LOCAL_TEST = 10  # which of a client's rows form its local test split (eval.local_test_fraction)
     PERSONAL = 11  # minibatch orders of a client's personal model (Ditto's v, FedRep's head phase)
     FINETUNE = 12  # minibatch orders of eval.finetune_steps before a client's evaluation
+    VALIDATION = 13  # which of a client's rows form the early-stopping validation split (early_stop.val_fraction)
 
 
 # numpy's SeedSequence hash constants (numpy/random/bit_generator.pyx).

@@ -103,6 +103,15 @@ _DATA = ("dataset=custom", "dataset._target_=plugin_pkg.data:blobs")
      ["train labels outside [0, 3)", "e.g. -1"]),
     (["dataset=custom", "dataset._target_=plugin_pkg.bad:holed"],
      ["holed: train_x has non-finite values (NaN or inf)", "first row 5"]),
+    # rounds with a schedule, callbacks, threads
+    (["train.lr_schedule.name=linear"], ["train.lr_schedule.name must be one of constant, step, cosine; got 'linear'"]),
+    (["train.lr_schedule.gamma=0.5"], ["train.lr_schedule.gamma=0.5 has no effect in this run: a step schedule's "
+                                       "setting, and the schedule is constant"]),
+    (["early_stop.patience=2", "early_stop.val_fraction=1.5"], ["early_stop.val_fraction must be in (0, 1), got 1.5"]),
+    (["early_stop.min_delta=0.1"], ["early_stop.min_delta=0.1 has no effect in this run: early stopping is off"]),
+    (["callbacks=[{_target_: 'plugin_pkg.cb:StopAt', round: abc}]"],
+     ["callbacks[0].round='abc': parameter round of plugin_pkg.cb:StopAt", "annotated int, got str 'abc'"]),
+    (["engine.threads_per_worker=0"], ["engine.threads_per_worker must be >= 1"]),
 ])
 def test_bad_input_fails_with_a_clear_message(args, expected, tmp_path):
     proc = run_cli(*args, f"hydra.run.dir={tmp_path / 'run'}")

@@ -34,6 +34,7 @@ from fl_platform.compression.registry import compressor_schemas
 from fl_platform.config import EvalConf
 from fl_platform.experiment import build
 from fl_platform.privacy.config import PrivacyConf
+from fl_platform.rounds.callbacks import EarlyStopConf
 from fl_platform.system.config import DistConf, SystemConf
 from fl_platform.training.loop import TrainConfig
 from fl_platform.training.schedule import LrSchedule
@@ -63,9 +64,9 @@ ALGORITHM_BASES: dict[str, tuple[str, ...]] = {
     "oneshot_feddf": (*ONESHOT, "algorithm.steps=4", "algorithm.batch_size=8", "algorithm.val_fraction=0",
                       "algorithm.server_fraction=0.2", "algorithm.lr=0.05"),
     "oneshot_dense": GENERATOR, "oneshot_coboost": GENERATOR,
-    "fusefl": (*SMALL_CNN, "rounds=3", "algorithm.blocks=2", "algorithm.sample_per_class=20"),
     "oneshot_adi": (*SMALL_CNN, "rounds=1", "algorithm.cache_dir=null", "algorithm.epochs=2", "algorithm.di_steps=2",
                     "algorithm.synthesis_batch_size=8", "algorithm.kd_batch_size=4"),
+    "fusefl": (*SMALL_CNN, "rounds=3", "algorithm.blocks=2", "algorithm.sample_per_class=20"),
     # personalised: BatchNorm for FedBN; Ditto's lam shapes only the personal models per-client evaluation reads
     "fedbn": SMALL_CNN, "fedper": MLP, "fedrep": (*MLP, "algorithm.head_epochs=1"),
     "ditto": (*MLP, "eval.clients=all"),
@@ -431,6 +432,37 @@ def test_every_lr_schedule_field_changes_the_run_or_is_refused(base, name):
     check_key(overrides, "train", f"lr_schedule.{name}", f"lr_schedule({base})", Perturb(value, SCHEDULE_BASES[base]))
 
 
+# early_stop on 4 rounds: off (patience 0), every other field is refused; on (patience 1), each field
+# changes the split, the row fields or the round the run stops after.
+EARLY_BASES: dict[str, dict[str, Any]] = {"off": {}, "on": {"patience": 1}}
+EARLY_PERTURB: dict[str, Any] = {"patience": 1, "val_fraction": 0.3, "metric": "val_accuracy", "min_delta": 1.0}
+
+
+@pytest.mark.parametrize(("base", "name"), [pytest.param(b, n, id=f"{b}-{n}") for b in EARLY_BASES
+                                            for n, _ in _fields(EarlyStopConf) if not (b == "on" and n == "patience")])
+def test_every_early_stop_field_changes_the_run_or_is_refused(base, name):
+    overrides = (*TINY, *MLP, "rounds=4")
+    check_key(overrides, "early_stop", name, f"early_stop({base})", Perturb(EARLY_PERTURB[name], EARLY_BASES[base]))
+
+
+# ---------------------------------------------------------------- per-client evaluation
+
+
+EVAL_BASES = {"none": (), "all": ("eval.clients=all",)}
+# From none: per-client evaluation on (new row fields); from all: off again (the local test rows train too).
+EVAL_PERTURB: dict[str, Any] = {"none.clients": "all", "all.clients": "none"}
+
+
+@pytest.mark.parametrize(("base", "name", "default"),
+                         [pytest.param(b, n, d, id=f"{b}-{n}") for b in EVAL_BASES for n, d in _fields(EvalConf)])
+def test_every_eval_field_changes_the_run_or_is_refused(base, name, default):
+    """eval.clients=none refuses the fields that only per-client evaluation reads; with it they act."""
+    overrides = (*TINY, *MLP, *EVAL_BASES[base])
+    current = OmegaConf.select(_base(overrides), f"eval.{name}")
+    spec = EVAL_PERTURB.get(f"{base}.{name}", _generic(current))
+    check_key(overrides, "eval", name, f"eval({base})", spec)
+
+
 # ---------------------------------------------------------------- server optimisers
 
 
@@ -459,24 +491,6 @@ def test_every_algorithm_runs_with_a_server_optimiser_or_refuses_it(algorithm):
         assert "server_opt=yogi" in str(err)
         return
     assert _differs(result, reference)
-
-
-# ---------------------------------------------------------------- per-client evaluation
-
-
-EVAL_BASES = {"none": (), "all": ("eval.clients=all",)}
-# From none: per-client evaluation on (new row fields); from all: off again (the local test rows train too).
-EVAL_PERTURB: dict[str, Any] = {"none.clients": "all", "all.clients": "none"}
-
-
-@pytest.mark.parametrize(("base", "name", "default"),
-                         [pytest.param(b, n, d, id=f"{b}-{n}") for b in EVAL_BASES for n, d in _fields(EvalConf)])
-def test_every_eval_field_changes_the_run_or_is_refused(base, name, default):
-    """eval.clients=none refuses the fields that only per-client evaluation reads; with it they act."""
-    overrides = (*TINY, *MLP, *EVAL_BASES[base])
-    current = OmegaConf.select(_base(overrides), f"eval.{name}")
-    spec = EVAL_PERTURB.get(f"{base}.{name}", _generic(current))
-    check_key(overrides, "eval", name, f"eval({base})", spec)
 
 
 # ---------------------------------------------------------------- privacy

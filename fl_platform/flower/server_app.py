@@ -69,6 +69,10 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
     t0 = time.perf_counter()
     cfg, deploy = from_run_config(run_config)
     validate(cfg)
+    if cfg.early_stop.patience or cfg.callbacks:  # (fl_platform/rounds/callbacks.py: the simulator's)
+        raise ValueError("early_stop.patience and callbacks are not implemented for Flower deployments: the "
+                         "validation split would have to be cut on every node; use them with engine=inline|ray "
+                         "or fl_platform.api.run")
     rd = RunDir(run_dir or deploy.run_dir or default_run_dir(cfg, run_id))
     handler = _log_to(rd.path / "server.log")
     reporter = Reporter(cfg.rounds, progress=False, wandb=cfg.logger.wandb, wandb_project=cfg.logger.wandb_project,

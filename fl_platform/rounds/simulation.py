@@ -78,6 +78,10 @@ class Simulation:
     # fl_platform.rounds.client_eval.ClientEvaluation (set by experiment.build for eval.clients=all|sample):
     # per-client accuracies on local test splits, evaluated by the engine after the server step.
     client_eval: Any = None
+    # fl_platform.rounds.callbacks.RoundEnd (set by experiment.build, api.run): validation metrics when the
+    # test set is evaluated, then early stopping and the user's on_round_end callbacks after each row.
+    round_end: Any = None
+    stop_reason: str | None = None
 
     def __init__(self, loop: LoopConfig, data: FederatedDataset, server: ServerAlgorithm, engine: Engine,
                  eval_model: FlatModel, metrics: MetricsLog | None = None, reporter: Reporter | None = None,
@@ -146,6 +150,8 @@ class Simulation:
         if (r + 1) % self.loop.eval_every == 0 or last:  # (the last round the privacy budget allows, too)
             t1 = time.perf_counter()
             row.update(self.evaluate())
+            if self.round_end is not None:
+                row.update(self.round_end.evaluate(self))
             row["eval_time_s"] = time.perf_counter() - t1
             if self.client_eval is not None:
                 t1 = time.perf_counter()
@@ -161,6 +167,10 @@ class Simulation:
         offset = self.history[-1].get("wall_time_s", 0.0) if self.history else 0.0
         r = self.start_round
         while r < self.loop.rounds:
+            if self.round_end is not None and (reason := self.round_end.stop_reason(self)) is not None:
+                self.stop_reason = reason  # (after the row just written, or a resumed run that had stopped)
+                log.warning("%s", reason)
+                break
             if self.privacy is not None and self.privacy.should_stop(r):
                 log.warning("%s", self.privacy.stop_reason)
                 break
@@ -179,6 +189,8 @@ class Simulation:
                 r = self.start_round
                 continue
             r += 1
+        if self.round_end is not None and self.stop_reason is None and r >= self.loop.rounds:
+            self.round_end.stop_reason(self)  # the last round's callbacks (nothing is left to stop)
         return self.summary()
 
     def check_finite(self, r: int, row: dict[str, Any]) -> None:
@@ -263,4 +275,5 @@ class Simulation:
             "bytes_up_total": sum(row["bytes_up"] for row in self.history),
             "bytes_down_total": sum(row["bytes_down"] for row in self.history),
             **(self.privacy.summary(len(self.history)) if self.privacy is not None else {}),
+            **({"stop_reason": self.stop_reason} if self.stop_reason is not None else {}),
         }
