@@ -128,3 +128,14 @@ def test_run_dirs_and_summaries_name_the_plugins(tmp_path):
     assert (summary["algorithm"], summary["dataset"], summary["model"]) == ("clipavg", "blobs", "TinyNet")
     assert plugin_name("model", "mlp", None) == "mlp"
     assert plugin_name("dataset", "custom", "object:_Given@7f00") == "_Given"  # (not loadable here: its text)
+
+
+@pytest.mark.ray
+def test_early_stopping_on_ray_equals_inline(ray_session):
+    from .test_engine_determinism import run
+
+    base = (*EARLY, "early_stop.metric=val_accuracy", "early_stop.min_delta=1.0")
+    w_inline, rows_inline = run(base=base)
+    w_ray, rows_ray = run("engine=ray", "engine.num_workers=2", base=base)
+    assert len(rows_inline) == 2 and rows_ray == rows_inline
+    assert float((w_ray - w_inline).abs().max()) <= 1e-6
