@@ -36,7 +36,7 @@ from fl_platform.privacy.config import sampling_of
 from fl_platform.privacy.setup import resolved_privacy, server_privacy_for
 from fl_platform.reporting import Reporter
 from fl_platform.rounds.callbacks import EarlyStopConf, RoundEnd, load_callbacks, validation_split
-from fl_platform.rounds.checkpoint import Checkpointer
+from fl_platform.rounds.checkpoint import Checkpoint, Checkpointer
 from fl_platform.rounds.client_eval import CLIENT_METRICS, ClientEvaluation
 from fl_platform.rounds.engine import Engine, workers_table
 from fl_platform.rounds.sampling import sample_clients
@@ -375,6 +375,7 @@ def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
         nonfinite=enum_value(engine.nonfinite),
         cohort_size=parse_cohort_size(engine.cohort_size),
         threads=threads,
+        deterministic=bool(engine.deterministic),
         compressor=OmegaConf.to_container(cfg.compressor, resolve=True) if cfg.get("compressor") else None,
         system=build_system(cfg.get("system"), cfg.seed),
         privacy=resolved_privacy(cfg),
@@ -447,15 +448,7 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
     validate(cfg)
     check_cluster_keys(cfg)
     rd = RunDir(run_dir) if run_dir is not None else None
-    checkpointer, ckpt = None, None
-    if rd is not None:
-        checkpointer = Checkpointer(rd.checkpoint, cfg.checkpoint_every)
-        if cfg.resume == "never":
-            checkpointer.clear()
-        else:
-            if checkpointer.latest_file.exists():
-                check_resumable(cfg, rd.config)
-            ckpt = checkpointer.load()  # an unusable latest checkpoint: the one before, or CheckpointError
+    checkpointer, ckpt = open_checkpoint(cfg, rd) if rd is not None else (None, None)
     data, round_end = round_end_for(cfg, load_data(cfg))
     setup = make_setup(cfg, data)
     # The run dir is the driver's: the Ray engine keeps states in node-local folders unless one is shared.
@@ -503,6 +496,19 @@ def build(cfg: DictConfig, run_dir: Path | str | None = None, reporter: Reporter
         engine.close()
         raise
     return Experiment(cfg, data, setup, sim, engine, rd)
+
+
+def open_checkpoint(cfg: DictConfig, rd: RunDir) -> tuple[Checkpointer, Checkpoint | None]:
+    """The run dir's checkpointer and the checkpoint to continue from (``resume``; the simulator and the
+    Flower ServerApp): resume=never clears it; else the latest usable one, after refusing a config that
+    changes results. Call before config.yaml is rewritten."""
+    checkpointer = Checkpointer(rd.checkpoint, cfg.checkpoint_every)
+    if cfg.resume == "never":
+        checkpointer.clear()
+        return checkpointer, None
+    if checkpointer.latest_file.exists():
+        check_resumable(cfg, rd.config)
+    return checkpointer, checkpointer.load()  # an unusable latest checkpoint: the one before, or CheckpointError
 
 
 def warn_unbalanced(cfg: DictConfig, setup: ExperimentSetup, num_workers: int, sampling: str) -> None:

@@ -419,3 +419,86 @@ def test_compressed_uplinks_travel_as_payload_bytes_and_match_the_simulator(tmp_
             continue
         keys = ctx.state.array_records[f"client-{ctx.node_config['partition-id']}"].keys()
         assert any(k.startswith("ef.") for k in keys), list(keys)
+
+
+# ---------------------------------------------------------------- checkpoint/resume
+
+
+class ServerAppKilled(Exception):
+    """The ServerApp process dies (raised inside the grid: nothing after it runs)."""
+
+
+def dies_at_round(grid, round_number: int) -> None:
+    push = grid.push_messages
+
+    def push_or_die(messages):
+        messages = list(messages)
+        if any(m.metadata.message_type == "train" and m.metadata.group_id == str(round_number) for m in messages):
+            raise ServerAppKilled(f"killed before round {round_number}")
+        return push(messages)
+
+    grid.push_messages = push_or_die
+
+
+def trained_rounds(grid) -> list[int]:
+    return sorted({int(m.metadata.group_id) for m in grid.pushed if m.metadata.message_type == "train"})
+
+
+def test_a_killed_flower_run_resumes_from_its_checkpoint_to_the_uninterrupted_result(tmp_path):
+    """checkpoint_every=1: the ServerApp dies as round 3 starts; a new run (fresh SuperNode contexts, as a new
+    `flwr run` gets) with the same run config trains only round 3 and ends as the uninterrupted run."""
+    rc = run_config("algorithm=fedprox", "checkpoint_every=1")
+    full = LocalGrid(client_app, nodes(), rc)
+    run_server(full, rc, run_dir=tmp_path / "full")
+    killed = LocalGrid(client_app, nodes(), rc)
+    dies_at_round(killed, 3)
+    with pytest.raises(ServerAppKilled):
+        run_server(killed, rc, run_dir=tmp_path / "resumed")
+    assert trained_rounds(killed) == [1, 2]
+    assert (tmp_path / "resumed" / "checkpoint" / "LATEST").read_text().strip() == "round-00000002"
+    assert not (tmp_path / "resumed" / "summary.json").exists()
+    again = LocalGrid(client_app, nodes(), rc, run_id=2)
+    summary = run_server(again, rc, run_id=2, run_dir=tmp_path / "resumed")
+    assert trained_rounds(again) == [3]
+    assert max_diff(weights_of(tmp_path / "resumed"), weights_of(tmp_path / "full")) < 1e-6
+    rows = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    ref = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    for a, b in zip(rows, ref):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
+        assert a["test_accuracy"] == pytest.approx(b["test_accuracy"], abs=1e-9)
+    assert summary["rounds"] == 3 and summary["final_test_accuracy"] == pytest.approx(
+        json.loads((tmp_path / "full" / "summary.json").read_text())["final_test_accuracy"], abs=1e-9)
+    assert "resumed from" in (tmp_path / "resumed" / "server.log").read_text()
+
+    # resume=never starts over: all three rounds trained again
+    rc_never = run_config("algorithm=fedprox", "checkpoint_every=1", "resume=never")
+    over = LocalGrid(client_app, nodes(), rc_never, run_id=3)
+    run_server(over, rc_never, run_id=3, run_dir=tmp_path / "resumed")
+    assert trained_rounds(over) == [1, 2, 3]
+
+
+def test_resume_is_refused_when_the_clients_state_lived_on_the_supernodes(tmp_path):
+    """SCAFFOLD's c_i is in each SuperNode's per-run context.state: a new run cannot have it, and must not
+    silently start the clients from zero."""
+    rc = run_config("algorithm=scaffold", "checkpoint_every=1")
+    killed = LocalGrid(client_app, nodes(), rc)
+    dies_at_round(killed, 2)
+    with pytest.raises(ServerAppKilled):
+        run_server(killed, rc, run_dir=tmp_path / "run")
+    again = LocalGrid(client_app, nodes(), rc, run_id=2)
+    with pytest.raises(ValueError, match=r"after round 1: scaffold keeps per-client state on the SuperNodes "
+                                         r"\(c\).*resume=never"):
+        run_server(again, rc, run_id=2, run_dir=tmp_path / "run")
+    assert not [m for m in again.pushed if m.metadata.message_type == "train"]
+
+
+def test_flower_run_dir_with_checkpoints_is_stable_for_the_same_run_config():
+    from fl_platform.flower.server_app import default_run_dir
+
+    cfg = fc.compose([*SMALL, "checkpoint_every=2"])
+    rc = run_config("checkpoint_every=2")
+    same = default_run_dir(cfg, 1, rc)
+    assert same == default_run_dir(cfg, 7, {**rc, "deploy.round_timeout": 9.0, "checkpoint_every": 3})
+    assert same != default_run_dir(cfg, 1, {**rc, "train.lr": 0.5})
+    assert default_run_dir(fc.compose([*SMALL, "resume=/x/y"]), 1, rc) == Path("/x/y")

@@ -7,10 +7,16 @@ same server step (and, under client-level DP, the same noise on the sum and the 
 same evaluation and the same run directory (config.yaml, partition.npz,
 metrics.jsonl, summary.json, model.pt), plus run_config.toml (what Flower was given) and
 server.log (the ServerApp's log, warnings included).
+
+With ``checkpoint_every`` > 0 the run dir also holds the simulator's ``checkpoint/`` (server half,
+privacy state, RNG, metrics rows; fl_platform/rounds/checkpoint.py), and ``flwr run`` with the same run
+config (``resume=auto``) continues after the last one: a new run's SuperNodes start with empty
+``context.state``, so a resume is refused for algorithms or compressors with per-client state.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Mapping
@@ -31,6 +37,7 @@ from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_wr
 from fl_platform.privacy.config import sampling_of
 from fl_platform.privacy.setup import deployed, make_server_privacy, secret_sampling_seed
 from fl_platform.reporting import Reporter
+from fl_platform.rounds.checkpoint import Checkpoint
 from fl_platform.rounds.setup import resolve_device
 from fl_platform.rounds.simulation import LoopConfig, Simulation
 from fl_platform.seeding import Stream, seed_torch_global
@@ -39,10 +46,33 @@ from fl_platform.training.flat import FlatModel
 log = logging.getLogger("fl_platform")
 
 
-def default_run_dir(cfg: DictConfig, run_id: int) -> Path:
+def default_run_dir(cfg: DictConfig, run_id: int, run_config: Mapping[str, Any] | None = None) -> Path:
+    """Time-stamped; with checkpoints on, one derived from the run config (what changes results), so the
+    same ``flwr run`` finds its checkpoint; ``resume=<dir>``: that dir (the simulator's rule, run_dir_for)."""
+    from fl_platform.config import run_dir_for
+    from fl_platform.experiment import RESUME_FREE_KEYS
+
     now = datetime.now()
-    return (Path.cwd() / "outputs" / "flower" / f"{now:%Y-%m-%d}"
-            / f"{now:%H-%M-%S}_{cfg.algorithm.name}_{cfg.dataset.name}_s{cfg.seed}_run{run_id}")
+    name = f"{cfg.algorithm.name}_{cfg.dataset.name}_s{cfg.seed}"
+    results = {k: v for k, v in sorted((run_config or {}).items())
+               if not k.startswith((*RESUME_FREE_KEYS, "deploy."))}
+    digest = hashlib.sha256(repr(results).encode()).hexdigest()[:10]
+    base = Path.cwd() / "outputs" / "flower"
+    return Path(run_dir_for(cfg.resume, cfg.checkpoint_every, str(base / f"{now:%Y-%m-%d}" / f"{now:%H-%M-%S}_{name}_run{run_id}"),
+                            str(base / f"{name}_{digest}")))
+
+
+def refuse_lost_node_state(ckpt: Checkpoint, specs: Mapping[str, Any], algorithm: str) -> None:
+    """A new ``flwr run`` starts every SuperNode's ``context.state`` empty (Flower keeps it per run): an
+    algorithm or compressor that keeps per-client state across rounds cannot continue from a checkpoint
+    without it, and must not be given zeros instead."""
+    if ckpt.round > 0 and specs:
+        raise ValueError(
+            f"resume: cannot continue the Flower run in {ckpt.path.parent.parent} after round {ckpt.round}: "
+            f"{algorithm} keeps per-client state on the SuperNodes ({', '.join(sorted(specs))}), which Flower "
+            f"keeps per run, so a new `flwr run` would start every client from empty state. Rerun with "
+            f"resume=never to start over (this deletes the checkpoint), or use an algorithm and compressor "
+            f"without client state")
 
 
 def _log_to(path: Path) -> logging.Handler:
@@ -64,7 +94,7 @@ def _log_to(path: Path) -> logging.Handler:
 def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
                run_dir: Path | str | None = None) -> dict[str, Any]:
     """Run the experiment described by ``run_config`` over ``grid``; returns the summary."""
-    from fl_platform.experiment import algorithm_name, load_data, make_setup, validate
+    from fl_platform.experiment import algorithm_name, load_data, make_setup, open_checkpoint, validate
 
     t0 = time.perf_counter()
     cfg, deploy = from_run_config(run_config)
@@ -73,9 +103,10 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
         raise ValueError("early_stop.patience and callbacks are not implemented for Flower deployments: the "
                          "validation split would have to be cut on every node; use them with engine=inline|ray "
                          "or fl_platform.api.run")
-    rd = RunDir(run_dir or deploy.run_dir or default_run_dir(cfg, run_id))
+    rd = RunDir(run_dir or deploy.run_dir or default_run_dir(cfg, run_id, run_config))
+    checkpointer, ckpt = open_checkpoint(cfg, rd)  # (before config.yaml is rewritten: it is compared)
     handler = _log_to(rd.path / "server.log")
-    reporter = Reporter(cfg.rounds, progress=False, wandb=cfg.logger.wandb, wandb_project=cfg.logger.wandb_project,
+    reporter = Reporter(cfg.rounds, start_round=ckpt.round if ckpt is not None else 0, progress=False, wandb=cfg.logger.wandb, wandb_project=cfg.logger.wandb_project,
                         wandb_mode=cfg.logger.wandb_mode, run_dir=str(rd.path),
                         config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
                         log_every=cfg.logger.log_every)
@@ -98,6 +129,9 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
         client_half = spec.client(setup.algorithm_conf, alg_setup)  # what its replies look like
         uplink = make_uplink(setup.compressor, eval_model, client_half)
         sizes = contribution_sizes(client_half, eval_model)
+        if ckpt is not None:
+            refuse_lost_node_state(ckpt, {**client_half.state_spec(), **(uplink.state_spec() if uplink else {})},
+                                   algorithm_name(cfg))
         # Under DP the noise comes from this server's OS CSPRNG and the cohorts from a secret of its own: every
         # client is sent the seed, from which both could otherwise be computed.
         sampling_seed = secret_sampling_seed(setup.privacy)
@@ -114,8 +148,11 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
                           eval_every=cfg.eval_every, eval_batch_size=cfg.eval_batch_size,
                           sampling=sampling_of(setup.privacy), sampling_seed=sampling_seed, nonfinite=setup.nonfinite)
         sim = Simulation(loop, data, server, FlowerEngine(strategy, grid), eval_model,
-                         metrics=MetricsLog(rd.metrics), reporter=reporter)
+                         metrics=MetricsLog(rd.metrics), reporter=reporter,
+                         checkpointer=checkpointer if cfg.checkpoint_every > 0 else None)
         sim.privacy = privacy  # the noise on the sum, epsilon and the target-epsilon stop: the simulator's loop
+        if ckpt is not None:  # server half, privacy state, RNG and metrics rows; the rounds after it follow
+            sim.restore(ckpt)
         setup_s = time.perf_counter() - t0
         summary = sim.run()
         summary.update({
