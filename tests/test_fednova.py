@@ -117,3 +117,21 @@ def test_fednova_is_the_same_inline_and_on_ray(ray_session):
     assert [r["tau_eff"] for r in ra] == pytest.approx([r["tau_eff"] for r in rb], rel=1e-12)
     assert ra[-1]["test_accuracy"] == pytest.approx(rb[-1]["test_accuracy"], abs=1e-9)
     assert ra[-1]["test_accuracy"] > 0.3
+
+
+def test_fednova_through_flower_equals_the_simulator(tmp_path):
+    """The ServerApp/ClientApp carry FedNova's extra weight (n_i ||a_i||_1) and give the simulator's model."""
+    from fl_platform.experiment import run_experiment
+    from fl_platform.flower import config as fc
+    from fl_platform.flower.client_app import app as client_app
+    from fl_platform.flower.server_app import run_server
+
+    from .test_flower_unit import SMALL, LocalGrid, max_diff, nodes, run_config, weights_of
+
+    overrides = ["algorithm=fednova", "train.momentum=0.9", "partition=dirichlet", "partition.alpha=0.3"]
+    cfg = fc.compose([*SMALL, *overrides])
+    rc = run_config(*overrides)
+    summary = run_server(LocalGrid(client_app, nodes(cfg.num_clients), rc), rc, run_id=5, run_dir=tmp_path / "flower")
+    sim = run_experiment(cfg, tmp_path / "sim")
+    assert max_diff(weights_of(tmp_path / "flower"), weights_of(tmp_path / "sim")) < 1e-5
+    assert summary["final_test_accuracy"] == pytest.approx(sim["final_test_accuracy"])
