@@ -312,6 +312,9 @@ class EngineConf:
     # train on GPUs, else its CPU. cuda (ray: holds 0.1 of a GPU on the driver's node, so Ray accounts for it) or cpu.
     eval_device: str = "auto"
     start_timeout_s: float = 600.0  # ray: workers not started within this many seconds: an error naming what is missing
+    # torch deterministic algorithms in every worker (cuDNN/cuBLAS too); an operation without a deterministic
+    # CUDA kernel stops the run naming this key. CPU results are bit-identical either way (docs/engine.md, Determinism)
+    deterministic: bool = False
 
 
 @dataclass

@@ -8,13 +8,15 @@ import pytest
 import torch
 
 from fl_platform.experiment import build, run_experiment
+from fl_platform.rounds.simulation import is_timing_key
 
 TIMING = {"round_time_s", "wall_time_s", "eval_time_s", "makespan_s", "balance", "first_round_s",
           "median_round_s", "setup_time_s", "predicted_makespan_s", "busy_s"}
 
 
 def _strip(rows):
-    return [{k: v for k, v in r.items() if k not in TIMING and not k.startswith(("busy", "sched_"))} for r in rows]
+    return [{k: v for k, v in r.items() if k not in TIMING and not is_timing_key(k) and not k.startswith("busy")}
+            for r in rows]
 
 
 def test_fedavg_digits_reaches_85_percent_within_30_rounds(make_config, tmp_path):

@@ -121,12 +121,12 @@ ALLOW: dict[str, str] = {
     "vhl.predshift_strict": "acts on evaluation only for predictions equal to C",
 }
 
-TIMING = ("round_time_s", "eval_time_s", "wall_time_s", "server_time_s", "setup_time_s")
+TIMING = ("round_time_s", "eval_time_s", "wall_time_s", "server_time_s", "setup_time_s", "beyond_slowest_s")
 
 
 def _result_key(row_key: str) -> bool:
-    """Metric-row fields that are results (wall-clock and scheduler timings are not; simulated time is)."""
-    return row_key not in TIMING and not row_key.startswith("sched_")
+    """Metric-row fields that are results (wall-clock, busy-time and scheduler timings are not; simulated time is)."""
+    return row_key not in TIMING and not row_key.startswith(("sched_", "worker_"))
 
 
 _BASES: dict[tuple[str, ...], Any] = {}
@@ -533,3 +533,50 @@ def test_every_algorithm_runs_under_dp_or_refuses_it(algorithm):
         assert "privacy=central" in str(err)
         return
     assert _differs(result, reference)
+
+
+# ---------------------------------------------------------------- engine.deterministic
+
+
+@pytest.fixture
+def deterministic_off(monkeypatch):
+    """engine.deterministic=true switches this (inline) process to deterministic algorithms: undone after."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    yield
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.deterministic = False
+
+
+def test_engine_deterministic_acts_in_the_worker_and_names_itself_when_an_op_has_no_deterministic_kernel(
+        deterministic_off):
+    """On the CPU the result is bit-identical either way (so the key cannot show in a result here); what it
+    changes: the worker runs under torch's deterministic algorithms, and an operation that has no
+    deterministic kernel (on CUDA it raises through this same alert) stops the round naming the key."""
+    import os
+
+    from torch._prims_common import alert_not_deterministic
+
+    from fl_platform.core import RoundContext
+    from fl_platform.engine.worker import Worker
+
+    overrides = (*TINY, *MLP, "algorithm=scaffold")
+    plain = _run(_base(overrides))
+    assert not torch.are_deterministic_algorithms_enabled()
+    exp = build(_base((*overrides, "engine.deterministic=true")))
+    exp.engine.close()
+    worker = Worker(0, exp.setup)
+    assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    train = worker.client.train
+
+    def train_with_a_nondeterministic_op(*args, **kwargs):
+        alert_not_deterministic("an_op_without_a_deterministic_kernel")  # torch's alert, as such a CUDA op raises it
+        return train(*args, **kwargs)
+
+    worker.client.train = train_with_a_nondeterministic_op
+    ctx = RoundContext(round=0, seed=1, clients=(0, 1), num_rounds=1, num_clients=3)
+    with pytest.raises(RuntimeError, match=r"engine\.deterministic=true refuses .*an_op_without_a_deterministic_kernel"
+                                           r"(.|\n)*set engine\.deterministic=false"):
+        worker.run_round(ctx, exp.simulation.server.broadcast(ctx), [0, 1])
+    worker.close()
+    assert not _differs(_run(_base((*overrides, "engine.deterministic=true"))), plain)  # bit-identical on CPU

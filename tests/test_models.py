@@ -203,6 +203,30 @@ def test_resnet18_parameter_counts() -> None:
     assert count_parameters(ResNet18((3, 32, 32), 20)) - 11_173_962 == 5_130
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_resnet18_pool_is_a_mean_over_height_and_width_with_adaptive_pooling_bits(channels_last: bool) -> None:
+    """The global pool is x.mean((2, 3)) (deterministic backward on CUDA, engine.deterministic) and on the
+    CPU gives AdaptiveAvgPool2d(1)'s bits, forward and backward: pinned results stay valid."""
+    torch.manual_seed(0)
+    model = ResNet18((3, 32, 32), 10, width=4)
+    reference = copy.deepcopy(model)
+    reference.stages["pool"] = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    assert not any(isinstance(m, nn.AdaptiveAvgPool2d) for m in model.modules())
+    x = torch.randn(6, 3, 32, 32)
+    if channels_last:
+        model, reference = model.to(memory_format=torch.channels_last), reference.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+    outs = []
+    for net in (model, reference):
+        out = net(x)
+        out.square().sum().backward()
+        outs.append((out, [p.grad for p in net.parameters()]))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1]))
+    pooled = model.stages["pool"](torch.arange(8.0).reshape(1, 2, 2, 2))
+    assert torch.equal(pooled, torch.tensor([[1.5, 5.5]]))
+
+
 def test_cnn_norm_options() -> None:
     kinds = {
         norm: {type(m) for m in build_model("cnn", (1, 28, 28), 10, norm=norm).modules()}

@@ -67,3 +67,63 @@ def test_prefetcher_surfaces_a_missing_state_by_name_at_take():
         assert pre._pending == {}
     finally:
         pre.close()
+
+
+# ---------------------------------------------------------------- wired into the worker
+
+WORKER_RUN = ("dataset=digits", "num_clients=6", "clients_per_round=4", "rounds=2", "train.epochs=1",
+              "train.batch_size=16", "save_model=false", "seed=3", "engine.threads_per_worker=1",
+              "algorithm=scaffold")
+
+
+def test_the_worker_offloads_each_new_state_at_its_fold_and_reads_through_the_prefetcher(monkeypatch):
+    """Each client's new state is handed to ``offload`` as that client's update is folded in (before the
+    next client trains), and what the store receives at round end is exactly what ``offload`` returned;
+    during the round the store is read only on the prefetch thread, the next client ahead of its training."""
+    from fl_platform.core import RoundContext
+    from fl_platform.engine import worker as worker_mod
+    from fl_platform.experiment import build
+
+    from .conftest import compose_config
+
+    exp = build(compose_config(*WORKER_RUN))
+    exp.engine.close()
+    events: list[tuple[str, int | None]] = []
+    returned: dict[int, torch.Tensor] = {}
+
+    def spy_offload(state, device):
+        out = offload(state, device)
+        events.append(("offload", None))
+        returned.update({id(v): v for v in out.values()})
+        return out
+
+    monkeypatch.setattr(worker_mod, "offload", spy_offload)
+    worker, server = worker_mod.Worker(0, exp.setup), exp.simulation.server
+    train = worker.client.train
+
+    def spy_train(ctx, cid, *args, **kwargs):
+        events.append(("train", cid))
+        return train(ctx, cid, *args, **kwargs)
+
+    worker.client.train = spy_train
+    get, put = worker.store.get, worker.store.put
+    reads: list[tuple[int, str]] = []
+    puts: list[dict[str, torch.Tensor]] = []
+    monkeypatch.setattr(worker.store, "get", lambda cid: (reads.append((cid, threading.current_thread().name)),
+                                                         get(cid))[1])
+    monkeypatch.setattr(worker.store, "put", lambda cid, state: (puts.append(state), put(cid, state))[1])
+    clients = [4, 1, 5, 0]
+    try:
+        for r in range(2):
+            events.clear(), reads.clear(), puts.clear(), returned.clear()
+            ctx = RoundContext(round=r, seed=3, clients=tuple(clients), num_rounds=2, num_clients=6)
+            res = worker.run_round(ctx, server.broadcast(ctx), clients)
+            server.aggregate(ctx, res.aggregate)
+            assert events == [e for c in clients for e in (("train", c), ("offload", None))]
+            assert len(puts) == len(clients)
+            for state in puts:  # (the round stamp is added at round end)
+                assert all(id(v) in returned for k, v in state.items() if k != "__round__")
+            assert sorted(c for c, _ in reads) == sorted(clients)
+            assert all(name.startswith("state-prefetch") for _, name in reads)
+    finally:
+        worker.close()

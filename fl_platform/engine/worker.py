@@ -15,6 +15,7 @@ or stale state by name instead of training the client from zeros.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -38,9 +39,11 @@ from fl_platform.rounds.setup import ExperimentSetup, resolve_device
 from fl_platform.state.distributed import DistributedStore, home_worker
 from fl_platform.state.manifest import ROUND_KEY, ROUND_SPEC, checked, stamp, stamp_of
 from fl_platform.state.store import State, StateStore, make_store
+from fl_platform.state.transfer import Prefetcher, offload
 from fl_platform.system.model import client_stat
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.loop import ClientData, LocalTrainer, NonFiniteError
+from fl_platform.training.step import naming_deterministic_key, use_deterministic_algorithms
 from fl_platform.training.vectorised import CohortTrainer, NotVectorisable, auto_cohort_size, free_memory
 
 log = logging.getLogger(__name__)
@@ -83,6 +86,8 @@ class Worker:
                  store: StateStore | None = None) -> None:
         if setup.threads:
             torch.set_num_threads(setup.threads)
+        if setup.deterministic:  # before the trainer, the model or any cuBLAS handle exists
+            use_deterministic_algorithms()
         self.worker_id = worker_id
         self.setup = setup
         self.options = options or WorkerOptions()
@@ -101,6 +106,10 @@ class Worker:
         self.store = store if store is not None else self.make_store()
         self.stateful = bool(self.store.specs)
         self._expect: dict[int, int] | None = None  # the manifest's rounds for this round's clients
+        # Every state read goes through this: the next client's state loads (and, on CUDA, copies to the
+        # device) on its one background thread while the current client trains.
+        self._prefetch = Prefetcher(lambda cid: checked(cid, self.store.get(cid), self._expect, self.where(cid)),
+                                    self.device)
         # engine.cohort_size > 1 or auto: clients train in vectorised chunks (docs/vectorised.md).
         self.cohort = CohortTrainer(self.fm, setup.train) if setup.cohort_size != 1 else None
         self._clock: DeviceClock | None = None  # this round's, while it runs
@@ -149,18 +158,21 @@ class Worker:
                 self.store.begin_round(lent)
         bc = broadcast.to(self.device)
         acc = _Round()
-        for i, cid in enumerate(client_ids):
-            self._inject_fault(ctx, cid)
-            with clock.span("train"):  # (less the state I/O inside it, below)
-                t0 = time.perf_counter()
-                chunk_seconds = self._train_chunk(ctx, bc, client_ids, i, acc.aggregate)
-                update = self._train_client(ctx, bc, cid, acc)
-                if update is not None:
-                    self._fold(update, acc)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                seconds = time.perf_counter() - t0 - chunk_seconds + self._shares.get(cid, 0.0)
-                acc.seconds[cid] = seconds + self._slow_down(seconds)
+        with self._training():
+            for i, cid in enumerate(client_ids):
+                self._inject_fault(ctx, cid)
+                if self.stateful and i + 1 < len(client_ids):
+                    self._prefetch.prefetch(client_ids[i + 1])
+                with clock.span("train"):  # (less the state I/O inside it, below)
+                    t0 = time.perf_counter()
+                    chunk_seconds = self._train_chunk(ctx, bc, client_ids, i, acc.aggregate)
+                    update = self._train_client(ctx, bc, cid, acc)
+                    if update is not None:
+                        self._fold(update, acc)
+                    if self.device.type == "cuda":  # (also completes the fold's offload copies)
+                        torch.cuda.synchronize(self.device)
+                    seconds = time.perf_counter() - t0 - chunk_seconds + self._shares.get(cid, 0.0)
+                    acc.seconds[cid] = seconds + self._slow_down(seconds)
         outbox: dict[int, State] = {}
         with clock.span("state_io"):
             outbox = self._stage_states(ctx, acc)
@@ -173,6 +185,16 @@ class Worker:
                             time.perf_counter() - start, acc.bytes_up, broadcast.nbytes() * len(client_ids),
                             acc.rejected, outbox, acc.client_stats, states_written=sorted(acc.staged),
                             timings=timings)
+
+    @contextlib.contextmanager
+    def _training(self) -> Iterator[None]:
+        """Around a round's (or an evaluation's) clients: torch's determinism error in the config's terms
+        (engine.deterministic), and nothing prefetched outlives it (the store may be written next)."""
+        try:
+            with naming_deterministic_key():
+                yield
+        finally:
+            self._prefetch.drop()
 
     def _stage_states(self, ctx: RoundContext, acc: _Round) -> dict[int, State]:
         """Write (or stage) the round's new states; returns the lent clients' states for their homes."""
@@ -209,13 +231,14 @@ class Worker:
         self._expect = expect
         bc = broadcast.to(self.device)
         scores = {}
-        for cid in client_ids:
-            state = self._load_state(cid)
-            if self.uplink is not None:
-                state, _ = self.uplink.split_state(state)
-            x, y, rows = self.data.client_test_view(cid)
-            scores[cid] = evaluate_client(self.client, self.trainer, ctx, cid, bc, state, self.client_data(cid),
-                                          ClientData(x, y, rows), self.setup.finetune_steps)
+        with self._training():
+            for cid in client_ids:
+                state = self._load_state(cid)
+                if self.uplink is not None:
+                    state, _ = self.uplink.split_state(state)
+                x, y, rows = self.data.client_test_view(cid)
+                scores[cid] = evaluate_client(self.client, self.trainer, ctx, cid, bc, state, self.client_data(cid),
+                                              ClientData(x, y, rows), self.setup.finetune_steps)
         return to_host(scores)
 
     def _train_client(self, ctx: RoundContext, bc: Broadcast, cid: int, acc: _Round) -> ClientUpdate | None:
@@ -257,10 +280,8 @@ class Worker:
             return self._read_state(cid)
 
     def _read_state(self, cid: int) -> State | None:
-        state = checked(cid, self.store.get(cid), self._expect, self.where(cid))
-        if state is None or self.device.type == "cpu":
-            return state
-        return {k: v.to(self.device) for k, v in state.items()}
+        self._prefetch.prefetch(cid)  # (a no-op when in flight: every load runs on the prefetch thread)
+        return self._prefetch.take(cid)
 
     def _train_chunk(self, ctx: RoundContext, bc: Broadcast, client_ids: list[int], i: int,
                      aggregate: Aggregate) -> float:
@@ -333,8 +354,8 @@ class Worker:
 
     def _fold(self, update: ClientUpdate, acc: _Round) -> None:
         """Add one accepted update into the round's running sums (or keep it, in list mode)."""
-        if update.state is not None:
-            acc.staged[update.client_id] = update.state
+        if update.state is not None:  # off the device now, not at round end (completed by the client's sync)
+            acc.staged[update.client_id] = offload(update.state, self.device)
             update.state = None
         if not update.bytes_up:
             update.bytes_up = sum(t.numel() * 4 for t in update.tensors.values())
@@ -422,6 +443,7 @@ class Worker:
         self.store.restore(Path(directory) if directory is not None else None, round)
 
     def close(self) -> None:
+        self._prefetch.close()
         self.store.close()
 
     def ping(self) -> int:

@@ -43,6 +43,14 @@ class BasicBlock(nn.Module):
         return self.relu(out + self.shortcut(x))
 
 
+class GlobalMeanPool(nn.Module):
+    """Global average pooling as a mean over height and width: its backward is deterministic on CUDA
+    (AdaptiveAvgPool2d's is not) and on the CPU it gives the same bits as AdaptiveAvgPool2d(1)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean((2, 3))
+
+
 class ResNet18(StagedModel):
     """ResNet-18, CIFAR variant (as in FedImpro's ``resnet_v2``, VHL and FuseFL).
 
@@ -92,7 +100,7 @@ class ResNet18(StagedModel):
                     prev, out_ch, stride if block == 0 else 1, norm, group_norm_groups
                 )
                 prev = out_ch
-        stages["pool"] = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        stages["pool"] = GlobalMeanPool()
         stages["head"] = nn.Linear(prev, num_classes)
         super().__init__(stages, input_shape)
         self.width = width

@@ -59,6 +59,7 @@ class ExperimentSetup:
     state_options: dict[str, Any] = field(default_factory=dict)
     nonfinite: str = "fail"  # "fail" the run or "skip" the client, logged either way
     threads: int | None = None  # torch intra-op threads per worker (None: leave torch's default)
+    deterministic: bool = False  # engine.deterministic: torch deterministic algorithms in every worker
     extra: dict[str, Any] = field(default_factory=dict)
     cohort_size: int | str = 1  # clients a worker trains at once (vectorised), or "auto"
     compressor: dict[str, Any] | None = None  # the compressor group (None / name none: uplinks dense)

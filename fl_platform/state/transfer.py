@@ -18,7 +18,7 @@ Values are unchanged (copies only), so results do not depend on whether or when 
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -71,9 +71,11 @@ class Prefetcher:
         return state
 
     def drop(self) -> None:
-        """Forget prefetched states not taken (the round ended early, or its client list changed)."""
+        """Forget prefetched states not taken (the round ended early, or its client list changed). A load
+        already running is waited for (its result discarded): the caller may write the store next."""
         for future in self._pending.values():
-            future.cancel()
+            if not future.cancel():
+                wait([future])
         self._pending.clear()
 
     def close(self) -> None:

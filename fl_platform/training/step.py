@@ -10,6 +10,7 @@ or channels_last with vectorised cohorts): docs/engine.md, section "The step".
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -75,6 +76,30 @@ def enable_cudnn_benchmark(device: torch.device) -> None:
     convolution kernels); left off when deterministic algorithms are requested, which it would defeat."""
     if device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
         torch.backends.cudnn.benchmark = True
+
+
+def use_deterministic_algorithms() -> None:
+    """``engine.deterministic=true``, for this process (a worker's; inline, the driver's too): cuBLAS
+    with a fixed workspace, cuDNN's deterministic kernels and no autotuner, and torch's deterministic
+    algorithms, under which an operation without a deterministic kernel raises when it runs (see
+    :func:`naming_deterministic_key`). Called before the trainer (and any cuBLAS handle) exists."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+@contextlib.contextmanager
+def naming_deterministic_key() -> Iterator[None]:
+    """torch's error for an operation without a deterministic kernel, said in the config's terms."""
+    try:
+        yield
+    except RuntimeError as err:
+        if not (torch.are_deterministic_algorithms_enabled() and "use_deterministic_algorithms" in str(err)):
+            raise
+        raise RuntimeError(f"engine.deterministic=true refuses an operation without a deterministic kernel on this "
+                           f"device: {err}\nReplace the operation in the model or algorithm, or set "
+                           f"engine.deterministic=false (docs/engine.md, Determinism)") from err
 
 
 def as_channels_last(x: torch.Tensor) -> torch.Tensor:
