@@ -47,7 +47,8 @@ MAX_ARTEFACT_BYTES = 20 * 2**20  # all documents' artefacts together (issue 17)
 # Every results document, rebuilt from its committed artefacts by tests/test_results_docs.py (a new
 # document is registered once every run of it has its artefact committed).
 DOCUMENTS = {"baselines": "results_baselines", "privacy": "results_privacy", "compression": "results_compression",
-             "heterogeneity": "results_heterogeneity", "oneshot": "results_oneshot"}
+             "heterogeneity": "results_heterogeneity", "oneshot": "results_oneshot",
+             "personalised": "results_personalised"}
 
 Run = dict[str, Any]  # {"name", "config" (flattened), "summary", "rows", "stats"}
 
