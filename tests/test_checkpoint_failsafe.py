@@ -237,3 +237,20 @@ def test_metrics_are_rewritten_whole_or_not_at_all(tmp_path, monkeypatch):
         with pytest.raises(OSError, match="disk gone"):
             log.replace(old[:1])
     assert log.read() in (old, new) and [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+
+
+@pytest.mark.parametrize("present", [1, 2, 4])
+def test_cuda_rng_states_restore_onto_the_gpus_present(monkeypatch, caplog, present):
+    """A checkpoint written with 2 GPUs resumes on 1, 2 or 4: the states of the devices present are set
+    (set_rng_state_all would index a missing device and crash), with a warning when the counts differ."""
+    seen: list[tuple[int, torch.Tensor]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: present)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": seen.append((device, s)))
+    saved = [torch.full((4,), 10 + i, dtype=torch.uint8) for i in range(2)]
+    with caplog.at_level(logging.WARNING, logger="fl_platform"):
+        ckpt_mod.set_rng_state({"cuda": saved})
+    assert [d for d, _ in seen] == list(range(min(2, present)))
+    assert all(torch.equal(s, saved[d]) for d, s in seen)
+    warned = [r for r in caplog.records if "CUDA RNG states of 2 devices" in r.getMessage()]
+    assert len(warned) == (present != 2)

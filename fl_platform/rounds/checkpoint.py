@@ -90,7 +90,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if "python" in state:
         random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        saved, present = state["cuda"], torch.cuda.device_count()
+        if len(saved) != present:  # resumed on a machine with another number of GPUs
+            log.warning("the checkpoint holds the CUDA RNG states of %d devices, this process sees %d: restoring "
+                        "those of devices 0..%d only (the run's own draws are keyed by (seed, round, client), "
+                        "not drawn from these)", len(saved), present, min(len(saved), present) - 1)
+        for index, device_state in enumerate(saved[:present]):
+            torch.cuda.set_rng_state(device_state, index)
 
 
 def _digest(path: Path) -> tuple[int, str]:
