@@ -7,7 +7,7 @@ with its 95% confidence interval (Student's t over the runs of the group).
 
 Each argument is a run directory (holding summary.json) or a folder searched recursively for
 them (a sweep's directory, whatever launcher ran it). Runs that differ only in ``seed`` form one
-group (one curve with its 95% band, one table row); the label lists the config values that differ
+group (one curve with its 95% band, clipped to [0, 1] for accuracies; one table row); the label lists the config values that differ
 between groups. The table gives the final test accuracy and the mean of the last ``--last``
 evaluations (steadier when accuracy swings from round to round); the best accuracy over the test
 evaluations is not reported, since picking it selects on the test set.
@@ -136,27 +136,46 @@ def table(groups: dict[str, list[dict[str, Any]]], last: int = 5) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(groups: dict[str, list[dict[str, Any]]], out: Path, x: str, metric: str, title: str | None) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def curves(groups: dict[str, list[dict[str, Any]]], x: str, metric: str) -> dict[str, dict[str, Any]]:
+    """Per group: ``xs``, the ``mean`` over seeds, ``n`` and, for n > 1, the 95% band ``lo``/``hi`` of the
+    mean. An accuracy's band is clipped to [0, 1]: Student's t is symmetric, accuracy is not."""
     import numpy as np
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    out: dict[str, dict[str, Any]] = {}
     for label, runs in groups.items():
         series = [_series(r, x, metric) for r in runs]
         series = [s for s in series if s[0]]
         if not series:
             continue
         n = min(len(s[0]) for s in series)
-        xs = np.mean([s[0][:n] for s in series], axis=0)
         ys = np.array([s[1][:n] for s in series])
-        mean = ys.mean(axis=0)
-        ax.plot(xs, mean, label=f"{label} (n={len(series)})")
-        if len(series) > 1:  # the 95% confidence band of the mean over seeds
+        curve: dict[str, Any] = {"xs": np.mean([s[0][:n] for s in series], axis=0), "mean": ys.mean(axis=0),
+                                 "n": len(series)}
+        if len(series) > 1:
             half = np.array([mean_ci(list(col))[1] for col in ys.T])
-            ax.fill_between(xs, mean - half, mean + half, alpha=0.2)
+            lo, hi = curve["mean"] - half, curve["mean"] + half
+            if "accuracy" in metric:
+                lo, hi = np.clip(lo, 0.0, 1.0), np.clip(hi, 0.0, 1.0)
+            curve.update(lo=lo, hi=hi)
+        out[label] = curve
+    return out
+
+
+def figure(groups: dict[str, list[dict[str, Any]]], x: str, metric: str, title: str | None) -> Any:
+    """The plot as a matplotlib figure: one curve per group with its 95% band; whole-round ticks on a round axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, c in curves(groups, x, metric).items():
+        ax.plot(c["xs"], c["mean"], label=f"{label} (n={c['n']})")
+        if "lo" in c:  # the 95% confidence band of the mean over seeds
+            ax.fill_between(c["xs"], c["lo"], c["hi"], alpha=0.2)
+    if x == "round":
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no round 1.5
     ax.set_xlabel(X_AXES.get(x, x))
     ax.set_ylabel(metric.replace("_", " "))
     if title:
@@ -164,6 +183,13 @@ def plot(groups: dict[str, list[dict[str, Any]]], out: Path, x: str, metric: str
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot(groups: dict[str, list[dict[str, Any]]], out: Path, x: str, metric: str, title: str | None) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = figure(groups, x, metric, title)
     path = out.with_suffix(".png") if out.suffix else out / f"{metric}_vs_{x}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
