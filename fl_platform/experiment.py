@@ -330,6 +330,12 @@ def load_data(cfg: DictConfig) -> FederatedDataset:
     return data
 
 
+def node_path(path: str, ray: bool) -> str:
+    """``engine.state_dir`` as the stores get it: absolute here inline; with Ray as given, expanded on each
+    node (``~`` is each node's home; the driver's home or working directory means nothing there)."""
+    return path if ray else os.path.abspath(os.path.expanduser(path))
+
+
 def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
     from fl_platform import plugins
     from fl_platform.models.custom import CUSTOM, TARGET
@@ -369,7 +375,7 @@ def make_setup(cfg: DictConfig, data: FederatedDataset) -> ExperimentSetup:
         dataset=data, model=model, algorithm=spec, algorithm_conf=alg_conf,
         train=train_config(cfg), seed=cfg.seed, device=engine.device, state_store=engine.state_store,
         state_options={"cache_mb": engine.state_cache_mb, "fsync": engine.state_fsync,
-                       **({"directory": os.path.abspath(os.path.expanduser(engine.state_dir))}
+                       **({"directory": node_path(engine.state_dir, enum_value(engine.name) == "ray")}
                           if engine.state_dir else {}),
                        **({"backend": engine.state_backend} if engine.state_store == "distributed" else {})},
         nonfinite=enum_value(engine.nonfinite),
@@ -403,6 +409,9 @@ def check_cluster_keys(cfg: DictConfig) -> None:
         (ray or engine.gpus_per_worker == base.gpus_per_worker, "engine.gpus_per_worker",
          "is each Ray worker's GPU share; it needs engine=ray"),
         (ray or engine.runtime_env == "auto", "engine.runtime_env", "ships code to Ray nodes; it needs engine=ray"),
+        (not (ray and engine.state_dir) or os.path.isabs(engine.state_dir) or engine.state_dir.startswith("~"),
+         "engine.state_dir", f"is relative ({engine.state_dir}): with engine=ray it is interpreted on every node, "
+         f"whose working directory is Ray's; give an absolute path (or one under ~, expanded on each node)"),
         (not engine.state_dir_shared or (ray and engine.state_store == "disk"), "engine.state_dir_shared",
          f"declares a disk store's folder shared by Ray workers; it needs engine=ray and engine.state_store=disk, "
          f"got engine={enum_value(engine.name)}, state_store={engine.state_store}"),

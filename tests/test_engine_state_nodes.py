@@ -4,6 +4,8 @@ The multi-node cases (node loss, node-local folders, joining a cluster) are in t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -153,3 +155,26 @@ def test_ray_shared_state_folder_equals_inline(ray_session, tmp_path):
     finally:
         exp.engine.close()
     assert float((exp.simulation.server.weights - ref.simulation.server.weights).abs().max()) <= 1e-6
+
+
+def test_state_dir_is_expanded_on_each_node_not_made_absolute_on_the_driver(monkeypatch, tmp_path):
+    """engine.state_dir reaches Ray workers as given and each node expands ~ itself (the driver's home
+    means nothing there); inline it is made absolute here; a relative path under Ray is refused."""
+    from fl_platform.engine.ray_actors import RayWorker
+    from fl_platform.engine.worker import WorkerOptions
+    from fl_platform.experiment import make_setup
+
+    base = ("dataset=digits", "num_clients=4", "clients_per_round=2", "model=mlp", "algorithm=scaffold",
+            "engine.state_store=disk")
+    exp = build(compose_config(*base, "engine.state_dir='~/fl_node_states'"))
+    exp.engine.close()
+    assert exp.setup.state_options["directory"] == str(Path.home() / "fl_node_states")  # inline: here
+    cfg = compose_config(*base, "engine=ray", "engine.state_dir='~/fl_node_states'", "engine.state_dir_shared=true")
+    setup = make_setup(cfg, exp.setup.dataset)
+    assert setup.state_options["directory"] == "~/fl_node_states"  # as given: not the driver's home
+    node = RayWorker.__new__(RayWorker)  # its store_options runs on the worker's node
+    node.setup, node.worker_id, node.options = setup, 0, WorkerOptions()
+    monkeypatch.setenv("HOME", str(tmp_path))  # this "node"'s home
+    assert node.store_options()["directory"] == str(tmp_path / "fl_node_states")
+    with pytest.raises(ConfigError, match=r"engine\.state_dir is relative \(states\): with engine=ray"):
+        build(compose_config(*base, "engine=ray", "engine.state_dir=states"))

@@ -99,6 +99,8 @@ class RayWorker(Worker):
         if run_id is not None:
             self._node_dir = node_state_dir(options.get("directory"), run_id, node_id())
             options["directory"] = self._node_dir
+        elif options.get("directory"):  # engine.state_dir as given (a shared folder): expanded here, on the node
+            options["directory"] = str(Path(options["directory"]).expanduser())
         return options
 
     def node_info(self) -> dict[str, Any]:
