@@ -3,13 +3,15 @@
 Two federations per session, each reused by several runs: an insecure one (FedAvg equals the
 simulator; SCAFFOLD keeps each client's control variate across rounds) and one with TLS and
 SuperNode authentication (FedAvg equals the simulator; a SuperNode with an unregistered key is
-refused; a SuperNode killed mid-run does not stop the run). Every process is stopped by PID.
+refused; a SuperNode killed mid-run does not stop the run). A third, of 2 SuperNodes, is killed whole
+after round 1's checkpoint and restarted: `flwr run` resumes it. Every process is stopped by PID.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import signal
 import subprocess
@@ -216,3 +218,70 @@ def test_a_supernode_killed_mid_run_does_not_stop_the_run(secure, tmp_path):
         assert any(k in reason.lower() for k in ("no reply within", "unavailable", "no supernode")), reason
     log_text = (run_dir / "server.log").read_text()
     assert re.search(r"WARNING .*round 2: client 2 rejected", log_text), log_text[-3000:]
+
+
+# ---------------------------------------------------------------- checkpoint/resume
+
+
+def test_a_flower_run_resumes_after_the_superlink_and_serverapp_are_killed(tmp_path):
+    """2 SuperNodes, 3 rounds, checkpoint_every=1. Once round 1's checkpoint is published the SuperLink's
+    process group (the ServerApp with it) and the SuperNodes are killed (SIGKILL); a fresh SuperLink and
+    SuperNodes are started and ``flwr run`` is given the same run config: it continues after the checkpoint
+    (trains rounds 2-3 only) and ends with the model and rows of an uninterrupted run (the simulator's,
+    which a Flower run equals: tests above)."""
+    overrides = ["algorithm=fedavg", "num_clients=2", "clients_per_round=2", "checkpoint_every=1"]
+    fed = Federation(tmp_path / "fed")
+
+    def start(tag: str) -> None:
+        fed.start_superlink()
+        for i in range(2):
+            fed.start_supernode(f'partition-id={i} num-partitions=2 data-root="{DATA_ROOT}" threads=1',
+                                name=f"node{i}{tag}")
+
+    path, run_dir = write_run_config(tmp_path, overrides)
+    latest = run_dir / "checkpoint" / "LATEST"
+    proc = None
+    try:
+        start("a")
+        first = tmp_path / "first_run.log"
+        with open(first, "wb") as out_file:
+            proc = subprocess.Popen([str(flower_utils.BIN / "flwr"), "run", ".", fed.connection, "--run-config",
+                                     str(path), "--stream"], env=fed.env, cwd=flower_utils.REPO, stdout=out_file,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while not (latest.exists() and latest.read_text().strip() == "round-00000001"):
+            ended = proc.poll() is not None and not latest.exists()
+            assert time.monotonic() < deadline and not ended and not (run_dir / "summary.json").exists(), (
+                f"no round-1 checkpoint:\n{first.read_text()[-2000:]}\n{fed.log('superlink')[-2000:]}")
+            time.sleep(0.05)
+        for name in ["superlink", "node0a", "node1a"]:
+            fed.kill(name, signal.SIGKILL)
+        assert not (run_dir / "summary.json").exists(), "the run finished before it was killed"
+        killed_at = latest.read_text().strip()
+        before = (run_dir / "server.log").read_text()
+        start("b")
+        out = fed.flwr("run", ".", fed.connection, "--run-config", str(path), "--stream", timeout=RUN_TIMEOUT,
+                       check=False)
+        assert (run_dir / "summary.json").exists(), (
+            f"the resumed run did not finish:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}\n"
+            + "\n".join(f"--- {n}\n{fed.log(n)[-1500:]}" for n in ["superlink", "node0b", "node1b"]))
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        fed.stop()
+    resumed_log = (run_dir / "server.log").read_text()[len(before):]
+    k = int(killed_at.split("-")[1])
+    assert f"resumed from {run_dir / 'checkpoint' / killed_at} after round {k}" in resumed_log, resumed_log[-3000:]
+    for node in ("node0b", "node1b"):  # the new SuperNodes trained the rounds after the checkpoint only
+        assert fed.log(node).count("Receiving: train") == 3 - k, fed.log(node)[-2000:]
+    sim_dir = simulate(tmp_path, overrides)
+    assert_same_model(run_dir, sim_dir)
+    f_rows, s_rows = rows(run_dir), rows(sim_dir)
+    assert [r["round"] for r in f_rows] == [1, 2, 3]
+    for f, s in zip(f_rows, s_rows):
+        assert f["num_clients"] == 2
+        assert f["test_accuracy"] == pytest.approx(s["test_accuracy"], abs=1e-6)
+        assert f["train_loss"] == pytest.approx(s["train_loss"], rel=1e-5)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rounds"] == 3 and summary["flower_run_id"] != 0
