@@ -37,7 +37,9 @@ def _fail(err: BaseException) -> None:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     from fl_platform.api import run_config
+    from fl_platform.gpu_slots import pin_joblib_worker
 
+    pin_joblib_worker(HydraConfig.get())  # hydra/launcher=joblib: one GPU per worker process, before CUDA starts
     run_dir = HydraConfig.get().runtime.output_dir
     try:
         summary = run_config(cfg, run_dir).summary

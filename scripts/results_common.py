@@ -21,6 +21,7 @@ import io
 import json
 import math
 import os
+import queue
 import shutil
 import statistics
 import subprocess
@@ -33,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from fl_platform.gpu_slots import slot_gpu, visible_gpus
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs" / "results"
@@ -92,8 +95,10 @@ def _data_root() -> str:
     return os.environ.get("FL_DATA_ROOT") or str(REPO.parent / "shared" / "data")
 
 
-def run_job(job: Job, runs: Path, artefacts: Path, code: tuple[Path, str], threads: int = 1) -> dict[str, Any]:
-    """Run ``job`` (unless its artefact exists) and store its artefact; returns its run.json."""
+def run_job(job: Job, runs: Path, artefacts: Path, code: tuple[Path, str], threads: int = 1,
+            gpu: str | None = None) -> dict[str, Any]:
+    """Run ``job`` (unless its artefact exists) and store its artefact; returns its run.json. ``gpu``:
+    the one GPU id the run sees (``CUDA_VISIBLE_DEVICES``; None: what this process sees)."""
     dest = artefacts / job.name
     if (dest / "run.json").exists():
         return json.loads((dest / "run.json").read_text())
@@ -103,7 +108,8 @@ def run_job(job: Job, runs: Path, artefacts: Path, code: tuple[Path, str], threa
         run_dir.mkdir(parents=True)
         cmd = [sys.executable, "-m", "fl_platform.run", *job.overrides, f"hydra.run.dir={run_dir}"]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-               "FL_DATA_ROOT": _data_root(), "PYTHONPATH": str(code[0])}
+               "FL_DATA_ROOT": _data_root(), "PYTHONPATH": str(code[0]),
+               **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {})}
         t0 = time.perf_counter()
         with open(run_dir / "stdout.log", "w") as log:
             proc = subprocess.Popen(cmd, cwd=code[0], env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -151,12 +157,26 @@ def _wait_sampling_cpu(pid: int, metrics: Path, poll_s: float = 0.05) -> tuple[i
 
 def run_jobs(jobs: Sequence[Job], runs: Path, artefacts: Path, code: tuple[Path, str], n_jobs: int,
              threads: int = 1) -> None:
-    """Run ``jobs`` (in list order, ``n_jobs`` at a time); a failed run is reported, the rest go on."""
+    """Run ``jobs`` (in list order, ``n_jobs`` at a time); a failed run is reported, the rest go on. With
+    GPUs visible, each of the ``n_jobs`` slots has its own GPU (round-robin: fl_platform/gpu_slots.py) and
+    a job sees only its slot's."""
     todo = [j for j in jobs if not (artefacts / j.name / "run.json").exists()]
     print(f"{len(jobs) - len(todo)} of {len(jobs)} runs have artefacts; running {len(todo)}", flush=True)
     failed = []
+    gpus = visible_gpus()
+    free: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for slot in range(max(1, n_jobs)):
+        free.put(slot)
+
+    def in_a_slot(job: Job) -> dict[str, Any]:
+        slot = free.get()
+        try:
+            return run_job(job, runs, artefacts, code, threads, slot_gpu(slot, gpus) if gpus else None)
+        finally:
+            free.put(slot)
+
     with ThreadPoolExecutor(max_workers=max(1, n_jobs)) as pool:
-        futures = [(j, pool.submit(run_job, j, runs, artefacts, code, threads)) for j in todo]
+        futures = [(j, pool.submit(in_a_slot, j)) for j in todo]
         for i, (job, fut) in enumerate(futures, 1):
             try:
                 stats = fut.result()
@@ -436,40 +456,60 @@ class PaperClaim:
     direction: int | None
     differences: str
     source: str = ""
+    # The comparisons (row labels of ours) the paper's claim is about: a verdict may rest only on one of
+    # them; empty = any. More than one: a verdict on one of them says which of the others are untested.
+    baselines: tuple[str, ...] = ()
+    # Our training budget (rounds, epochs, steps) as a fraction of the paper's: below 1 a null or opposite
+    # result does not contradict the paper at its budget ("untested", never "not reproduced").
+    budget: float = 1.0
 
 
-def verdict(claim: PaperClaim, ours: Interval | None) -> tuple[str, str]:
-    """(verdict, reason): reproduced / direction only / not reproduced / not comparable.
+MIN_SEEDS = 10  # rows a verdict rests on have at least this many paired seeds (README.md, "Verdicts")
 
-    Without a paper number the magnitude cannot be compared: the best a direction claim can get is
-    'direction only', when our paired interval excludes 0 on the paper's side."""
+
+def verdict(claim: PaperClaim, ours: Interval | None, against: str | None = None) -> tuple[str, str]:
+    """(verdict, reason): direction only / not reproduced / untested / not comparable.
+
+    ``against``: what our paired difference is measured against (its null). Without a paper number the
+    magnitude cannot be compared: the best a direction claim can get is 'direction only', when our paired
+    interval over >= MIN_SEEDS seeds excludes 0 on the paper's side, against a comparison the paper makes."""
     if claim.direction is None:
         why = "no paper number in the specs" if claim.number is None else "the paper makes no claim here"
         return "not comparable", f"{why}; {claim.differences}" if claim.differences else why
-    if ours is None or ours.n < 2:
-        return "not comparable", "too few seeds of ours"
+    if claim.baselines and against not in claim.baselines:
+        return "untested", (f"the paper's claim is against {' / '.join(claim.baselines)}; this row is against "
+                            f"{against}, a comparison the paper does not make")
+    if ours is None or ours.n < MIN_SEEDS:
+        return "untested", f"{0 if ours is None else ours.n} paired seeds; a verdict needs >= {MIN_SEEDS}"
+    others = [b for b in claim.baselines if b != against]
+    only = f"; against {against} only: {', '.join(others)} untested" if others else ""
     if ours.sign == claim.direction:
         return "direction only", "our interval excludes 0 on the paper's side" + (
             "; the paper's number is not in the specs, so the magnitude cannot be compared" if claim.number is None
-            else "; the settings differ too much to compare magnitudes")
+            else "; the settings differ too much to compare magnitudes") + only
+    if claim.budget < 1:
+        return "untested", (f"run at {claim.budget:.0%} of the paper's budget: "
+                            + ("no detectable difference" if ours.sign == 0 else "the opposite direction")
+                            + " there does not test the claim at its budget" + only)
     if ours.sign == 0:
-        return "not reproduced", "no detectable difference in our setting (the interval includes 0)"
-    return "not reproduced", "the opposite direction in our setting (the interval excludes 0 on the other side)"
+        return "not reproduced", "no detectable difference in our setting (the interval includes 0)" + only
+    return "not reproduced", "the opposite direction in our setting (the interval excludes 0 on the other side)" + only
 
 
 def verdict_table(rows: Sequence[tuple[PaperClaim, Interval | None, str] | tuple[PaperClaim, Interval | None, str, str]]
                   ) -> str:
     """One row per (claim, our paired difference, what 'ours' is measured against[, the 'ours' cell when the
     interval is not a difference in points, e.g. a speedup's log ratio])."""
-    lines = ["| algorithm | paper (closest setting) | paper's number | ours (paired, 95% CI) | differences in setting |"
-             " verdict | reason |", "|---|---|---|---|---|---|---|"]
+    lines = ["| algorithm | paper (closest setting) | paper's number | ours (paired, 95% CI) | seeds | null (0 = equal to) |"
+             " differences in setting | verdict | reason |", "|---|---|---|---|---|---|---|---|---|"]
     for claim, ours, against, *text in rows:
-        v, why = verdict(claim, ours)
-        ours_cell = text[0] if text else f"{fmt_diff(ours)} vs {against}" if ours is not None and ours.n else "-"
+        v, why = verdict(claim, ours, against)
+        ours_cell = text[0] if text else fmt_diff(ours) if ours is not None and ours.n else "none (the baseline row)"
         number = claim.number if claim.number is not None else "not in the specs"
         src = f" ({claim.source})" if claim.source else ""
-        lines.append(f"| {claim.algorithm} | {claim.paper_setting}{src} | {number} | {ours_cell} | "
-                     f"{claim.differences} | **{v}** | {why} |")
+        seeds = str(ours.n) if ours is not None else "-"
+        lines.append(f"| {claim.algorithm} | {claim.paper_setting}{src} | {number} | {ours_cell} | {seeds} | {against if ours is not None else '-'} | "
+                     f"{claim.differences or 'none listed'} | **{v}** | {why} |")
     return "\n".join(lines) + "\n"
 
 
@@ -628,11 +668,13 @@ def provenance(doc: str, artefacts: Path, cells: dict[str, dict[int, Run]], comm
 
 def main_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str],
                extra: dict[str, Callable[[dict[int, Run]], str]] | None = None) -> tuple[str, dict[str, Interval]]:
-    """Rows ``tags`` (those with runs) against FedAvg: seeds, accuracy, paired difference, p, reading,
-    ``extra`` columns, CPU seconds per round and per run; returns the table and the differences."""
+    """Rows ``tags`` (those with runs) against FedAvg: seeds, accuracy, FedAvg's accuracy on the same seeds,
+    paired difference, p, reading, ``extra`` columns, CPU seconds per round and per run; returns the table and
+    the differences. A row's numbers are all over the seeds it shares with FedAvg (never two seed sets in one
+    row: a 5-seed row is not set against FedAvg's 10-seed mean)."""
     runs = setting_runs(s, cells)
     base = accuracies(runs["fedavg"])
-    header = ["algorithm", "seeds", f"accuracy (mean of the last {K_LAST} evaluations)",
+    header = ["algorithm", "seeds", f"accuracy (mean of the last {K_LAST} evaluations)", "FedAvg on the same seeds",
               "minus FedAvg (paired, 95% CI)", "p", "reading", *(extra or {}), "CPU s per round", "CPU s per run"]
     rows, diffs = [], {}
     for tag in tags:
@@ -640,11 +682,13 @@ def main_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str]
         if not r or row is None:
             continue
         acc = accuracies(r)
+        shared = sorted(set(acc) & set(base))
         d = paired(acc, base)
         if tag != "fedavg":
             diffs[tag] = d
         same = tag == "fedavg"
-        rows.append([row.label, str(len(acc)), fmt_mean(interval(list(acc.values()))), "-" if same else fmt_diff(d),
+        rows.append([row.label, str(len(shared)), fmt_mean(interval([acc[k] for k in shared])),
+                     "-" if same else fmt_mean(interval([base[k] for k in shared])), "-" if same else fmt_diff(d),
                      "-" if same else fmt_p(d), "-" if same else reading(d), *(f(r) for f in (extra or {}).values()),
                      f"{cpu_per_round(r.values()):.3g}",
                      f"{statistics.fmean(run['stats']['cpu_s'] for run in r.values()):.0f}"])

@@ -13,6 +13,10 @@ the CPU documents, its artefacts under docs/results/data/<document>_gpu/. Stops 
 message, before running anything, when a dataset is missing under the data root
 ($FL_DATA_ROOT, else ../shared/data): CIFAR-10 must be in cifar-10-batches-py/ there, FEMNIST
 must be the full LEAF set. Interrupted runs start over; finished ones are kept.
+
+With several GPUs, ``--jobs N`` runs N jobs at once, each seeing one GPU (``CUDA_VISIBLE_DEVICES``,
+slots dealt round-robin over the GPUs this process sees: ``--jobs 8`` on 8 GPUs is one run per GPU;
+set ``CUDA_VISIBLE_DEVICES`` to choose the GPUs).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", action="store_true", help="list the runs and check the data; run nothing")
     ap.add_argument("--documents", nargs="+", default=GPU_DOCUMENTS, choices=GPU_DOCUMENTS)
-    ap.add_argument("--jobs", type=int, default=1, help="runs in parallel (one GPU: 1, or 2 for small models)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs in parallel, each on one GPU (round-robin over the visible GPUs)")
     ap.add_argument("--threads", type=int, default=8, help="CPU threads per run")
     ap.add_argument("--commit", default="HEAD", help="code to run: a git revision (snapshot) or 'worktree'")
     args = ap.parse_args(argv)

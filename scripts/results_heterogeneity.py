@@ -18,6 +18,7 @@ same sections. Method and statistics: scripts/results_common.py and docs/results
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -81,6 +82,9 @@ ABLATIONS: list[tuple[str, str, list[str], str, tuple[str, ...], int]] = [
 ]
 
 CNN = "small CNN (conv 16, conv 32, fc 64) instead of ResNet-18"
+# The baselines of FedImpro's and VHL's tables (specs/fedimpro.md, specs/vhl.md): a verdict on one of them
+# names the others as untested.
+FEDIMPRO_BASELINES = ("FedAvg", "FedProx", "SCAFFOLD", "FedNova")
 CPU_PAPER = {
     "fashion_mnist": {
         "baseline": rc.PaperClaim(
@@ -89,11 +93,13 @@ CPU_PAPER = {
         "fedimpro": rc.PaperClaim(
             "FedImpro", "FMNIST, Dirichlet(0.1), 10 / 5, E = 1, batch 128, lr 0.01, ResNet-18, 1000 rounds, T = 500 "
             "(specs/fedimpro.md: above FedAvg, FedProx, SCAFFOLD, FedNova)", None, 1,
-            f"{CNN}; 30 rounds of 20 local steps of batch 32 at lr 0.05; T = 15 (scaled to 30 rounds)"),
+            f"{CNN}; 30 rounds of 20 local steps of batch 32 at lr 0.05; T = 15 (scaled to 30 rounds)",
+            baselines=FEDIMPRO_BASELINES, budget=30 / 1000),
         "vhl": rc.PaperClaim(
             "VHL", "FMNIST, Dirichlet(0.1), 10 / 5, E = 1, batch 128 + 128 virtual, SGD lr 0.01 momentum 0.9, "
             "ResNet-18, 1000 rounds (specs/vhl.md: faster convergence, better generalisation)", None, 1,
-            f"{CNN}; 30 rounds of 20 steps at lr 0.05 without momentum; virtual batch 32 = the real batch"),
+            f"{CNN}; 30 rounds of 20 steps at lr 0.05 without momentum; virtual batch 32 = the real batch",
+            baselines=FEDIMPRO_BASELINES, budget=30 / 1000),
     },
     "femnist": {
         "baseline": rc.PaperClaim(
@@ -102,7 +108,9 @@ CPU_PAPER = {
         "fedimpro": rc.PaperClaim(
             "FedImpro", "FEMNIST, natural writers, 3400 / 50 per round, E = 5, batch 20, ResNet-18, 101 rounds, "
             "gradualhalfhalf (specs/fedimpro.md)", None, 1,
-            f"the 105-writer LEAF sample, 10 per round, 2 local epochs; {CNN}; 30 rounds; T = 15"),
+            f"the 105-writer LEAF sample, 10 per round, 2 local epochs; {CNN}; 30 rounds; T = 15 (at the "
+            "reference's T = 500 no detectable difference: the T table below)", baselines=FEDIMPRO_BASELINES,
+            budget=30 / 101),
         "vhl": rc.PaperClaim(
             "VHL", "no FEMNIST setting in specs/vhl.md (CIFAR-10, FMNIST, SVHN, CIFAR-100)", None, None,
             "no paper setting to compare with"),
@@ -163,10 +171,12 @@ GPU = [  # (setting, title, preset, the paper's algorithm)
 def gpu_settings() -> list[Setting]:
     out = []
     for name, title, preset, alg in GPU:
-        rows = [Row("fedavg", "FedAvg", "fedavg", [], SEEDS5), rc.noise_row(SEEDS5)]
+        # 10 seeds: the rows a verdict rests on need them (README.md, "Verdicts")
+        rows = [Row("fedavg", "FedAvg", "fedavg", [], SEEDS10), rc.noise_row(SEEDS10)]
         if alg == "fedimpro":  # FedImpro's tables also have FedProx (mu = 0.1 in its scripts) and SCAFFOLD
-            rows += [Row("fedprox", "FedProx", "fedprox", [], SEEDS5), Row("scaffold", "SCAFFOLD", "scaffold", [], SEEDS5)]
-        rows.append(Row(alg, LABELS[alg], alg, [], SEEDS5))
+            rows += [Row("fedprox", "FedProx", "fedprox", [], SEEDS10),
+                     Row("scaffold", "SCAFFOLD", "scaffold", [], SEEDS10)]
+        rows.append(Row(alg, LABELS[alg], alg, [], SEEDS10))
         paper = {"baseline": rc.PaperClaim("", f"a baseline of {LABELS[alg]}'s paper in this setting", None, None,
                                            "none: the paper's setting"),
                  alg: rc.PaperClaim(LABELS[alg], title, None, 1, f"none intended (conf/experiment/{preset}.yaml "
@@ -205,6 +215,19 @@ def ablation_table(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> str:
             "the main row it varies (same seeds).\n\n" + rc.md_table(header, rows))
 
 
+def _upload_ratio(fedavg: dict[int, rc.Run]):
+    """A row's mean uploaded bytes per run over FedAvg's on the same seeds: what a method's gain costs in
+    communication (FedImpro uploads its feature statistics, SCAFFOLD its control variates)."""
+    def cell(runs: dict[int, rc.Run]) -> str:
+        seeds = sorted(set(runs) & set(fedavg))
+        if not seeds:
+            return "-"
+        up = [sum(row.get("bytes_up", 0) for row in runs[k]["rows"]) for k in seeds]
+        base = [sum(row.get("bytes_up", 0) for row in fedavg[k]["rows"]) for k in seeds]
+        return f"{statistics.fmean(up) / statistics.fmean(base):.2f}x" if statistics.fmean(base) else "-"
+    return cell
+
+
 def build(settings: list[Setting], cells: dict[str, dict[int, rc.Run]], plots: Path | None, command: str,
           artefacts: Path) -> str:
     gpu = any(s.preset for s in settings)
@@ -216,7 +239,8 @@ def build(settings: list[Setting], cells: dict[str, dict[int, rc.Run]], plots: P
             sections.append(rc.setting_header(s) + "Not run yet.\n")
             continue
         tags = [t for t in [*MAIN, NOISE] if s.row(t)]
-        table, diffs = rc.main_table(s, cells, tags, {"PredShift accuracy": _predshift})
+        table, diffs = rc.main_table(s, cells, tags, {"PredShift accuracy": _predshift,
+                                                      "bytes up / FedAvg's": _upload_ratio(runs["fedavg"])})
         verdicts += rc.verdict_rows(s, diffs, [t for t in MAIN if s.row(t)])
         text = rc.setting_header(s) + "Rows:\n" + rc.rows_list(s, tags) + "\n" + table + "\n"
         text += rc.plot_rows(s, cells, [t for t in MAIN if s.row(t)], plots, f"{DOC}_{s.name}{suffix}.png",

@@ -364,19 +364,22 @@ CLAIMS = [  # (measure, against, claim)
         "71.81 vs 30.93 % (+40.9 points)", 1, OURS, SPEC)),
     ("feddf", "fedavg", rc.PaperClaim(
         "FedDF vs one-shot FedAvg", "the survey's expected order: one-shot FedAvg << FedDF <~ DENSE <~ Co-Boosting < "
-        "Ensemble", None, 1, f"{OURS}; FedDF distils 500 steps (card 10,000) on held-out Fashion-MNIST", SPEC)),
+        "Ensemble", None, 1, f"{OURS}; FedDF distils 500 steps (card 10,000) on held-out Fashion-MNIST", SPEC,
+        budget=500 / 10_000)),
     ("feddf_ood", "fedavg", rc.PaperClaim(
         "FedDF (out of domain) vs one-shot FedAvg", "FedDF distils CIFAR-10 ensembles on CIFAR-100 / ImageNet", None, 1,
-        f"{OURS}; FEMNIST images as the out-of-domain set, 500 steps", SPEC)),
+        f"{OURS}; FEMNIST images as the out-of-domain set, 500 steps", SPEC, budget=500 / 10_000)),
     ("dense", "fedavg", rc.PaperClaim(
         "DENSE vs one-shot FedAvg", "CIFAR-10: DENSE +5.08 points over the best baseline (Fed-ADI, which we do not run); "
-        "expected order above", None, 1, f"{OURS}; 20 generator epochs (card 200), ngf 16 (card 64)", SPEC)),
+        "expected order above", None, 1, f"{OURS}; 20 generator epochs (card 200), ngf 16 (card 64)", SPEC,
+        budget=20 / 200)),
     ("coboost", "dense", rc.PaperClaim(
         "Co-Boosting vs DENSE", "expected order DENSE <~ Co-Boosting (Co-Boosting's CIFAR-10 tables not retrieved)",
-        None, 1, f"{OURS}; 20 generator epochs (card 200), ngf 16 (card 64)", SPEC)),
+        None, 1, f"{OURS}; 20 generator epochs (card 200), ngf 16 (card 64)", SPEC, budget=20 / 200)),
     ("coboost_weighted", "ensemble", rc.PaperClaim(
         "Co-Boosting's ensemble reweighting vs the plain ensemble", "Co-Boosting (ICLR 2024): boosting the ensemble "
-        "improves the teacher", None, 1, f"{OURS}; weights learnt on the synthetic pool", SPEC)),
+        "improves the teacher", None, 1, f"{OURS}; weights learnt on the synthetic pool (20 generator epochs, "
+        "card 200)", SPEC, budget=20 / 200)),
     ("fusefl_k2", "ensemble", rc.PaperClaim(
         "FuseFL K=2 vs the ensemble", "CIFAR-10, Dirichlet(0.5), 5 clients, ResNet-18 (w 20 FuseFL, 64 baselines), "
         "100 epochs per block: 'beats ensemble FL by a significant margin' (abstract; tables not retrieved)", None, 1,

@@ -10,6 +10,7 @@ import re
 import shutil
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -107,14 +108,116 @@ def test_equal_compute_round_and_cpu_per_round():
     assert rc.equal_compute_round(5.0, 30, evals) == 100
 
 
+def _ten(centre: float) -> rc.Interval:
+    return rc.interval([centre + 0.001 * (i - 4.5) for i in range(10)])
+
+
 def test_verdicts():
     claim = rc.PaperClaim("X", "setting", None, 1, "smaller model")
-    up, flat, down = rc.interval([0.02, 0.03, 0.025]), rc.interval([0.05, -0.01, 0.02]), rc.interval([-0.02, -0.03, -0.025])
+    up, flat, down = _ten(0.02), _ten(0.0), _ten(-0.02)
     assert rc.verdict(claim, up)[0] == "direction only"
     assert rc.verdict(claim, flat) == ("not reproduced", "no detectable difference in our setting (the interval "
                                        "includes 0)")
     assert rc.verdict(claim, down)[0] == "not reproduced" and "opposite" in rc.verdict(claim, down)[1]
     assert rc.verdict(rc.PaperClaim("B", "s", None, None, ""), up)[0] == "not comparable"
+
+
+def test_a_verdict_rests_on_ten_seeds_the_papers_comparison_and_its_budget():
+    """Fewer than 10 paired seeds, a comparison the paper does not make, or a null result at a fraction of
+    the paper's budget: 'untested' with the reason, never a verdict."""
+    claim = rc.PaperClaim("X", "setting", None, 1, "", baselines=("FedAvg", "FedProx"))
+    nine = rc.interval([0.02 + 0.001 * i for i in range(9)])
+    assert nine.sign == 1 and rc.verdict(claim, nine, "FedAvg") == ("untested", "9 paired seeds; a verdict needs >= 10")
+    v, why = rc.verdict(claim, _ten(0.02), "Top-k at equal bytes")
+    assert v == "untested" and "FedAvg / FedProx" in why and "Top-k at equal bytes" in why
+    v, why = rc.verdict(claim, _ten(0.02), "FedAvg")
+    assert v == "direction only" and why.endswith("against FedAvg only: FedProx untested")
+    short = replace(claim, budget=0.1)
+    assert rc.verdict(short, _ten(-0.02), "FedAvg")[0] == rc.verdict(short, _ten(0.0), "FedAvg")[0] == "untested"
+    assert "10% of the paper's budget" in rc.verdict(short, _ten(0.0), "FedAvg")[1]
+    assert rc.verdict(short, _ten(0.02), "FedAvg")[0] == "direction only"
+
+
+def test_a_main_table_row_is_over_the_seeds_it_shares_with_fedavg():
+    """FedAvg with 10 seeds, FedProx with 5: FedProx's row sets its 5-seed mean against FedAvg's on the
+    same 5 seeds (never FedAvg's 10-seed mean) and says 5 seeds."""
+    def cell(accs):
+        return {seed: {"name": f"s{seed}", "rows": [{"round": 1}, {"round": 2, "test_accuracy": a}], "stats": {"cpu_s": 1.0,
+                "row_cpu_s": [0.0, 1.0]}} for seed, a in accs.items()}
+    fedavg = {s: 0.5 + 0.01 * s for s in range(10)}
+    fedprox = {s: fedavg[s] + 0.02 + 0.001 * s for s in range(5)}
+    s = rc.Setting("x", "x", ["dataset=digits"], 1, [rc.Row("fedavg", "FedAvg", "fedavg", [], list(range(10))),
+                                                    rc.Row("fedprox", "FedProx", "fedprox", [], list(range(5)))],
+                   {"fedavg": [], "fedprox": []})
+    table, diffs = rc.main_table(s, {"x/fedavg": cell(fedavg), "x/fedprox": cell(fedprox)}, ["fedavg", "fedprox"])
+    row = next(line for line in table.splitlines() if line.startswith("| FedProx"))
+    assert row.startswith(f"| FedProx | 5 | {rc.fmt_mean(rc.interval([fedprox[k] for k in range(5)]))} | "
+                          f"{rc.fmt_mean(rc.interval([fedavg[k] for k in range(5)]))} | {rc.fmt_diff(diffs['fedprox'])} |")
+    assert diffs["fedprox"].n == 5
+    _check_tables("x", table)
+
+
+# ----------------------------------------------------------------------------- the documents' claims
+
+
+def _tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
+    """Every markdown table of ``text``: (header, rows) with the cells stripped."""
+    out, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("|") and i + 1 < len(lines) and lines[i + 1].startswith("|---") and (
+                i == 0 or not lines[i - 1].startswith("|")):
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                rows.append([c.strip() for c in row.strip().strip("|").split(" | ")])
+            out.append(([c.strip() for c in line.strip().strip("|").split(" | ")], rows))
+    return out
+
+
+def _points(cell: str) -> float:
+    return float(cell.split()[0])
+
+
+def _check_tables(doc: str, text: str) -> None:
+    for header, rows in _tables(text):
+        for row in rows:
+            assert len(row) == len(header) and all(row), f"{doc}: an empty cell in {row}"
+        if "verdict" in header:  # a verdict rests on >= 10 paired seeds against a named null
+            v, n, null = header.index("verdict"), header.index("seeds"), header.index("null (0 = equal to)")
+            for row in rows:
+                if row[v] in ("**direction only**", "**not reproduced**"):
+                    assert int(row[n]) >= rc.MIN_SEEDS, f"{doc}: {row[0]} rests on {row[n]} seeds"
+                    assert row[null] not in ("", "-"), f"{doc}: {row[0]} names no null"
+        if any("minus" in h or "paired" in h for h in header):  # a paired difference says its seed count
+            assert any("seeds" in h for h in header), f"{doc}: no seed count in {header}"
+        minus = [h for h in header if h == "minus FedAvg (paired, 95% CI)"]
+        if minus:  # a main table's row sets its mean against FedAvg's on the same seeds
+            assert "FedAvg on the same seeds" in header, f"{doc}: {header}"
+            a, b, d = (header.index(f"accuracy (mean of the last {rc.K_LAST} evaluations)"),
+                       header.index("FedAvg on the same seeds"), header.index(minus[0]))
+            for row in rows:
+                if row[d] != "-":
+                    assert abs(_points(row[a]) - _points(row[b]) - _points(row[d])) <= 0.011, (
+                        f"{doc}: {row[0]} mixes seed sets: {row[a]} - {row[b]} != {row[d]}")
+
+
+@pytest.fixture(scope="module")
+def rebuilt(tmp_path_factory) -> dict[str, str]:
+    out = {}
+    for doc in sorted(rc.DOCUMENTS):
+        folder = tmp_path_factory.mktemp(doc)
+        assert importlib.import_module(rc.DOCUMENTS[doc]).main(["--from-artefacts", "--no-plots", "--out",
+                                                                 str(folder)]) == 0
+        out[doc] = rc.generated_part((folder / f"{doc}.md").read_text())
+    return out
+
+
+@pytest.mark.parametrize("doc", sorted(rc.DOCUMENTS))
+def test_document_claims_are_no_wider_than_their_data(doc, rebuilt):
+    """Verdicts on >= 10 seeds against a named null, no empty cells, rows over shared seeds (the
+    generators' output, so a defect in a generator shows here)."""
+    _check_tables(doc, rebuilt[doc])
 
 
 # ----------------------------------------------------------------------------- presets, data, documents
@@ -215,11 +318,11 @@ def test_the_gpu_document_builds_with_the_same_sections(tmp_path):
     """The --preset gpu document from (synthetic) artefacts: verdicts follow the intervals."""
     het = importlib.import_module("results_heterogeneity")
     art = tmp_path / "art"
-    for seed in range(5):
+    for seed in range(10):
         for tag, gain in (("fedavg", 0.0), ("fedavg_shuffle", 0.001 * (seed - 2)), ("fedprox", 0.0),
                           ("scaffold", 0.0), ("fedimpro", 0.03 + 0.002 * seed)):
             _fake_artefact(art / "cifar10_fedimpro" / tag / f"s{seed}", [0.5 + 0.01 * seed + gain] * 6, 1.0)
-        for tag, gain in (("fedavg", 0.0), ("fedavg_shuffle", 0.0), ("vhl", 0.01 * (seed - 2))):
+        for tag, gain in (("fedavg", 0.0), ("fedavg_shuffle", 0.0), ("vhl", 0.01 * (seed - 4.5))):
             _fake_artefact(art / "cifar10_vhl" / tag / f"s{seed}", [0.6 + 0.01 * seed + gain] * 6, 2.0)
     assert het.main(["--preset", "gpu", "--from-artefacts", "--artefacts", str(art), "--out", str(tmp_path),
                      "--no-plots"]) == 0
@@ -228,6 +331,6 @@ def test_the_gpu_document_builds_with_the_same_sections(tmp_path):
     assert "**direction only**" in verdicts["FedImpro (cifar10_fedimpro)"]
     assert "**not reproduced**" in verdicts["VHL (cifar10_vhl)"]
     assert "**not comparable**" in verdicts["SCAFFOLD (cifar10_fedimpro)"]
-    assert "| FedImpro | 5 | 55.40 ± 2.36 | +3.40 [+3.01, +3.79] | <0.001 | higher |" in text  # paired: +3 + 0.2 seed
+    assert "| FedImpro | 10 | 58.40 ± 2.60 | 54.50 ± 2.17 | +3.90 [+3.47, +4.33] | <0.001 | higher |" in text  # paired
     assert "- FedProx: `algorithm=fedprox algorithm.mu=0.1`" in text and "- FedImpro: `+experiment=fedimpro_cifar10`" in text
     assert text.count("Not run yet.") == 3  # the FMNIST and FEMNIST presets

@@ -35,12 +35,23 @@ def assert_complete_sweep(sweep) -> None:
     assert names == ["0_fedavg_digits_s0", "1_fedavg_digits_s1", "2_fedprox_digits_s0", "3_fedprox_digits_s1"]
 
 
-def test_joblib_launcher_runs_a_sweep_in_parallel_processes(tmp_path):
+def test_joblib_launcher_runs_a_sweep_in_parallel_processes(tmp_path, monkeypatch):
+    """... with one GPU per worker process: given GPUs 0 and 1 (declared: this torch has no CUDA, which
+    makes the ids harmless), each of the 2 worker processes claims its own, and every job of a process
+    sees only that one (fl_platform/gpu_slots.py)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     sweep = tmp_path / "sweep"
     proc = run_cli(*SWEEP, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep}")
     assert proc.returncode == 0, proc.stderr
     assert "Joblib.Parallel(n_jobs=2" in proc.stdout + proc.stderr
     assert_complete_sweep(sweep)
+    seen = {}  # worker pid -> the GPU its jobs saw
+    jobs = [re.findall(r"joblib worker (\d+): GPU slot \d+ of 2, CUDA_VISIBLE_DEVICES=(\S+)", log.read_text())
+            for log in sweep.rglob("*.log")]
+    assert len(jobs) == 4 and all(len(lines) == 1 for lines in jobs), jobs  # every job, once
+    for (pid, gpu), in jobs:
+        assert seen.setdefault(pid, gpu) == gpu
+    assert len(seen) == 2 and sorted(seen.values()) == ["0", "1"], seen
 
 
 @pytest.mark.ray
