@@ -122,6 +122,23 @@ def _noise_multiplier(runs: dict[int, rc.Run]) -> str:
     return _mean_of(key, 4)(runs)
 
 
+def _minus_clip_only(s: rc.Setting, cells: dict[str, dict[int, rc.Run]]):
+    """A DP row's paired difference to its mode's clip-only row (epsilon = inf: the same clipping and Poisson
+    sampling, no noise): the null of what the noise costs. FedAvg samples clients differently, so its
+    difference mixes sampling into the noise's cost."""
+    runs = rc.setting_runs(s, cells)
+
+    def cell(r: dict[int, rc.Run]) -> str:
+        tag = next((t for t, v in runs.items() if v is r), "")
+        mode = tag.split("_")[0]
+        null = runs.get(tag_of(mode, math.inf)) if mode in MODES else None
+        if not null or tag == tag_of(mode, math.inf):
+            return "-"
+        d = rc.paired(rc.accuracies(r), rc.accuracies(null))
+        return f"{rc.fmt_diff(d)}; {d.n}"
+    return cell
+
+
 def _clipped(runs: dict[int, rc.Run]) -> str:
     values = [row["dp_clipped_fraction"] for run in runs.values() for row in run["rows"] if "dp_clipped_fraction" in row]
     return f"{statistics.fmean(values):.2f}" if values else "-"
@@ -187,7 +204,8 @@ def section(s: rc.Setting, cells: dict[str, dict[int, rc.Run]], plots: Path | No
     tags = ["fedavg", *(tag_of(m, e) for e in EPSILONS for m in MODES), rc.NOISE,
             *(tag_of(m, 2, c) for c in MISSET for m in MODES)]
     extra = {"epsilon reached": _epsilon, "noise multiplier": _noise_multiplier,
-             "clipped fraction": _clipped, "final clip norm": _mean_of("dp_final_clip")}
+             "clipped fraction": _clipped, "final clip norm": _mean_of("dp_final_clip"),
+             "minus clip only (epsilon = inf, paired; seeds)": _minus_clip_only(s, cells)}
     table, _ = rc.main_table(s, cells, tags, extra)
     name = f"{DOC}_{s.name}_accuracy_vs_epsilon{suffix}.png"
     if plots is not None:

@@ -191,6 +191,11 @@ def _check_tables(doc: str, text: str) -> None:
                     assert row[null] not in ("", "-"), f"{doc}: {row[0]} names no null"
         if any("minus" in h or "paired" in h for h in header):  # a paired difference says its seed count
             assert any("seeds" in h for h in header), f"{doc}: no seed count in {header}"
+        if "epsilon reached" in header:  # a DP row's null is its clip-only row (same sampling, no noise)
+            c, e = header.index("minus clip only (epsilon = inf, paired; seeds)"), header.index("epsilon reached")
+            for row in rows:
+                if row[e] not in ("inf", "-"):
+                    assert row[c] != "-", f"{doc}: {row[0]} has no clip-only null"
         minus = [h for h in header if h == "minus FedAvg (paired, 95% CI)"]
         if minus:  # a main table's row sets its mean against FedAvg's on the same seeds
             assert "FedAvg on the same seeds" in header, f"{doc}: {header}"
