@@ -136,7 +136,10 @@ def register_algorithm(spec: AlgorithmSpec, name: str | None = None) -> str:
     if not isinstance(spec, AlgorithmSpec):
         raise TypeError(f"register_algorithm takes an AlgorithmSpec, got {type(spec).__name__}")
     check_spec(spec, f"register_algorithm({spec.name!r})")
-    if name == PLUGIN or (name in algorithm_refs()):
+    refs = algorithm_refs()
+    if name in refs and _loads_as(refs[name], spec):
+        return name  # the built-in or installed algorithm itself: already an option under that name
+    if name == PLUGIN or name in refs:
         raise ValueError(f"algorithm name {name!r} is taken (built-in or installed); give another name")
     if _REGISTERED.get(name, spec) is not spec:
         log.info("algorithm %s re-registered", name)
@@ -145,6 +148,14 @@ def register_algorithm(spec: AlgorithmSpec, name: str | None = None) -> str:
 
     register_algorithm_option(name, spec)
     return name
+
+
+def _loads_as(ref: str, spec: AlgorithmSpec) -> bool:
+    """Whether ``ref`` (a built-in's or an entry point's) is the object ``spec`` (False if it fails to load)."""
+    try:
+        return load(ref, "algorithm") is spec
+    except PluginError:
+        return False
 
 
 def unregister_algorithm(name: str) -> None:

@@ -82,7 +82,7 @@ def test_plugins_through_flower_in_process(tmp_path):
     from fl_platform.flower.local import run_local
 
     overrides = [*SMALL, *PLUGINS, "logger.progress=false"]
-    rc = fc.flatten_config(fc.compose(overrides))
+    rc = fc.unpack_extra(fc.flatten_config(fc.compose(overrides)))
     assert rc["model.width"] == 8 and rc["algorithm.max_norm"] == 0.05  # the user's fields travel
     summary = run_local(overrides, tmp_path / "flower")  # ServerApp + a ClientApp per client, in-process
     sim = run_experiment(compose_config(*overrides), tmp_path / "sim")
@@ -114,20 +114,89 @@ def test_plugin_model_and_data_in_ssgd(tmp_path):
 # ---------------------------------------------------------------- entry points
 
 
-@pytest.fixture
-def installed_plugin(tmp_path, monkeypatch):
-    """plugin_pkg 'installed': a dist-info with an entry point in the fl_platform.algorithms group, as
-    ``pip install`` of a package declaring ``[project.entry-points."fl_platform.algorithms"]`` writes it."""
+def install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> str:
     site = tmp_path / "site"
     info = site / "plugin_pkg-0.1.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: plugin-pkg\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[fl_platform.algorithms]\nclip_ep = plugin_pkg.alg:SPEC\n")
+    (info / "entry_points.txt").write_text(f"[fl_platform.algorithms]\n{name} = plugin_pkg.alg:SPEC\n")
     monkeypatch.syspath_prepend(str(site))
     register_configs()
-    yield "clip_ep"
+    return name
+
+
+@pytest.fixture
+def installed_plugin(tmp_path, monkeypatch):
+    """plugin_pkg 'installed': a dist-info with an entry point in the fl_platform.algorithms group, as
+    ``pip install`` of a package declaring ``[project.entry-points."fl_platform.algorithms"]`` writes it."""
+    yield install(tmp_path, monkeypatch, "clip_ep")
     monkeypatch.undo()
     unregister_algorithm_option("clip_ep")
+
+
+def test_an_installed_or_built_in_spec_given_to_the_api_is_itself(tmp_path, monkeypatch):
+    """api.run(algorithm=SPEC) with SPEC the installed entry point of its own name (or a built-in's
+    SPEC) uses that option; another spec under a taken name is still refused."""
+    from plugin_pkg.alg import SPEC
+
+    from fl_platform.algorithms import fedprox
+    from fl_platform.api import overrides_for
+
+    name = install(tmp_path, monkeypatch, SPEC.name)  # "clipavg = plugin_pkg.alg:SPEC"
+    try:
+        assert overrides_for(algorithm=SPEC) == [f"algorithm={name}"]
+        assert compose_config(*SMALL, f"algorithm={name}", "algorithm.max_norm=0.05").algorithm.max_norm == 0.05
+        assert overrides_for(algorithm=fedprox.SPEC) == ["algorithm=fedprox"]
+        with pytest.raises(ValueError, match="'fedprox' is taken"):
+            register_algorithm(SPEC, "fedprox")
+    finally:
+        monkeypatch.undo()
+        unregister_algorithm_option(name)
+
+
+def test_an_installed_plugin_leaves_the_exported_defaults_alone(installed_plugin):
+    """default_run_config (pyproject's [tool.flwr.app.config]) lists the built-ins' keys only, whatever is
+    installed: it never composes algorithm=<plug-in> (its fields travel in ``extra``)."""
+    from fl_platform.flower import config as fc
+
+    fc._group_keys.cache_clear()
+    try:
+        assert installed_plugin not in fc.group_options("algorithm")
+        exported = fc.default_run_config()
+    finally:
+        fc._group_keys.cache_clear()
+    assert "algorithm.max_norm" not in exported and "algorithm.warmup_rounds" not in exported
+    assert exported == fc.pyproject_defaults()  # the committed defaults, unchanged by the installed plug-in
+
+
+def test_an_entry_point_plugins_own_fields_travel_through_flower_in_extra(installed_plugin, tmp_path):
+    """algorithm=<installed plug-in> with its own field (and a custom model's and loader's) through the
+    ServerApp + ClientApps in-process: the fields pyproject does not list go in the JSON key ``extra``, which
+    the SuperLink accepts (check_keys), and the run equals the simulator's."""
+    from fl_platform.flower import config as fc
+    from fl_platform.flower.local import run_local
+
+    overrides = [*SMALL, *DATA, *MODEL, f"algorithm={installed_plugin}", "algorithm.max_norm=0.05",
+                 "logger.progress=false"]
+    rc = fc.flatten_config(fc.compose(overrides))
+    fc.check_keys(rc, fc.pyproject_defaults())  # no key the SuperLink would refuse
+    assert json.loads(rc["extra"]) == {"algorithm.max_norm": 0.05, "dataset.n": 240}  # (model.width: listed)
+    assert fc.from_run_config(rc)[0].algorithm.max_norm == 0.05
+    summary = run_local(overrides, tmp_path / "flower")
+    sim = run_experiment(compose_config(*overrides), tmp_path / "sim")
+    flower_w = torch.load(tmp_path / "flower" / "model.pt", weights_only=True)
+    sim_w = torch.load(tmp_path / "sim" / "model.pt", weights_only=True)
+    assert max(float((flower_w[k] - sim_w[k]).abs().max()) for k in sim_w) < 1e-5
+    assert summary["final_test_accuracy"] == pytest.approx(sim["final_test_accuracy"])
+    # a key of the defaults given in extra, or extra that is not a JSON object, is refused naming it
+    with pytest.raises(ValueError, match=r"'rounds' in extra is a key of \[tool\.flwr\.app\.config\]"):
+        fc.from_run_config({**rc, "extra": json.dumps({"rounds": 3})})
+    with pytest.raises(ValueError, match="extra must be a JSON object"):
+        fc.from_run_config({**rc, "extra": "max_norm=1"})
+    with pytest.raises(ValueError, match=r"'engine\.num_workers' in extra: engine, eval\.\* are simulation"):
+        fc.from_run_config({**rc, "extra": json.dumps({"engine.num_workers": 2})})
+    with pytest.raises(ValueError, match=r"algorithm\.maxnorm"):
+        fc.from_run_config({**rc, "extra": json.dumps({"algorithm.maxnorm": 1.0})})
 
 
 def test_an_installed_plugin_is_an_algorithm_choice(installed_plugin):

@@ -11,6 +11,11 @@ back into Hydra overrides and composed against conf/, so a deployment runs exact
 Values TOML cannot hold are encoded as strings: ``None`` as ``"null"``, lists as JSON
 (``model.hidden = "[128]"``). Deployment-only settings live under ``deploy.*`` (DeployConf).
 The simulation engine group is not part of a run config.
+
+The defaults list the built-ins' keys only. Keys they do not list (a plug-in's or a custom
+model's/loader's own fields, ``algorithm.max_norm``) travel in one key, ``extra``: a JSON object of
+dotted keys (``extra = '{"algorithm.max_norm": 0.05}'``), unpacked before composing, so they are
+validated like any other key and a plug-in deploys without editing pyproject.toml.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ UNSET = ""  # the key is left to conf/ (the selected option's own default)
 NULL = "null"  # None
 EXCLUDED_GROUPS = ("engine", "eval")  # simulation-only (eval: per-client evaluation runs on the engines)
 DEPLOY = "deploy"
+EXTRA = "extra"  # JSON object {dotted key: value} of the keys [tool.flwr.app.config] does not list
 
 RunConfig = dict[str, bool | int | float | str]
 
@@ -110,12 +116,14 @@ def config_groups() -> list[str]:
 
 
 def group_options(group: str) -> list[str]:
-    """The options of a config group: conf/<group>/*.yaml, and for ``algorithm`` the installed plug-ins."""
+    """The built-in options of a config group: conf/<group>/*.yaml and, for ``algorithm``, the built-in
+    algorithms. Installed plug-ins are left out: their fields travel in ``extra``, so what is installed
+    never changes (or breaks) the exported defaults."""
     options = {p.stem for p in (conf_dir() / group).glob("*.yaml")}
     if group == "algorithm":
-        from fl_platform.algorithms.registry import algorithm_refs
+        from fl_platform.algorithms.registry import builtin_algorithm_names
 
-        options.update(algorithm_refs())
+        options.update(builtin_algorithm_names())
     return sorted(options)
 
 
@@ -166,14 +174,16 @@ def _group_keys() -> dict[str, tuple[str, ...]]:
     return keys
 
 
-def flatten_config(cfg: DictConfig, deploy: DeployConf | None = None, minimal: bool = True) -> RunConfig:
+def flatten_config(cfg: DictConfig, deploy: DeployConf | None = None, minimal: bool = True,
+                   known: Iterable[str] | None = None) -> RunConfig:
     """The run config of ``cfg``.
 
     Top-level and non-group keys (``rounds``, ``train.*``) and each group's ``name`` are always
     written. A group option's own fields are written only where they differ from that option's
     defaults in conf/ (``minimal``; all of them otherwise): the rest stay UNSET and compose back to
-    the same values, and an option whose fields are not in pyproject's defaults yet still deploys
-    unless one of those fields was changed.
+    the same values. Keys not in ``known`` (default: the keys of pyproject's
+    ``[tool.flwr.app.config]``, when there is one) go into the JSON object ``extra``, which the
+    SuperLink accepts since it is one of the defaults.
     """
     data = _container(cfg)
     groups = set(config_groups())
@@ -191,6 +201,13 @@ def flatten_config(cfg: DictConfig, deploy: DeployConf | None = None, minimal: b
         flat.update({k: _encode(v) for k, v in own.items()})
     for key, value in asdict(deploy or DeployConf()).items():
         flat[f"{DEPLOY}.{key}"] = value
+    if known is None:
+        known = pyproject_defaults() or flat
+    known = set(known)
+    extra = {k: v for k, v in flat.items() if k not in known}
+    flat = {k: v for k, v in flat.items() if k in known}
+    if extra:
+        flat[EXTRA] = json.dumps(extra)
     return flat
 
 
@@ -203,16 +220,17 @@ def default_run_config(overrides: Iterable[str] = ()) -> RunConfig:
     defaults from conf/. ``overrides`` add the group keys of the config they compose (UNSET): a
     custom model's or plug-in algorithm's own fields (``+model.width=64``), which no option lists.
     """
-    flat = flatten_config(compose(), minimal=False)
+    flat = unpack_extra(flatten_config(compose(), minimal=False))
     for group, keys in _group_keys().items():
         for key in keys:
             if key != f"{group}.name":
                 flat[key] = UNSET
     if overrides:
         groups = set(config_groups())
-        for key in flatten_config(compose(overrides), minimal=False):
+        for key in unpack_extra(flatten_config(compose(overrides), minimal=False)):
             if key.partition(".")[0] in groups and not key.endswith(".name"):
                 flat.setdefault(key, UNSET)
+    flat[EXTRA] = UNSET
     ordered = dict(sorted(flat.items(), key=lambda kv: kv[0].count(".") > 0))  # top-level keys first
     return {k: (UNSET if v == NULL else v) for k, v in ordered.items()}
 
@@ -234,8 +252,37 @@ def check_keys(run_config: Mapping[str, Any], defaults: Mapping[str, Any]) -> No
     missing = sorted(set(run_config) - set(defaults))
     if missing:
         raise ValueError(f"run-config keys {missing} are not in [tool.flwr.app.config] of pyproject.toml, so the "
-                         "SuperLink would refuse the run ('Invalid run configuration'); regenerate the defaults "
-                         "with `python -m fl_platform.flower.export_config --pyproject`")
+                         f"SuperLink would refuse the run ('Invalid run configuration'); put them in the JSON "
+                         f"object {EXTRA!r} (export_config does), or regenerate the defaults with "
+                         "`python -m fl_platform.flower.export_config --pyproject` when a built-in gained them")
+
+
+def unpack_extra(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """``run_config`` with the keys of its JSON object ``extra`` in place of ``extra`` (each checked: a
+    dotted key the run config does not already hold, a scalar or list value)."""
+    flat = {k: v for k, v in run_config.items() if k != EXTRA}
+    raw = run_config.get(EXTRA, UNSET)
+    if raw == UNSET:
+        return flat
+    try:
+        extra = json.loads(raw) if isinstance(raw, str) else None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"run-config key {EXTRA} must be a JSON object of dotted keys, e.g. "
+                         f"'{{\"algorithm.max_norm\": 0.05}}'; got {raw!r} ({err})") from None
+    if not isinstance(extra, dict):
+        raise ValueError(f"run-config key {EXTRA} must be a JSON object of dotted keys, got {raw!r}")
+    for key, value in extra.items():
+        if key in flat or key.partition(".")[0] == DEPLOY or key == EXTRA:
+            raise ValueError(f"run-config key {key!r} in {EXTRA} is a key of [tool.flwr.app.config] (or deploy.*): "
+                             f"set it directly, not in {EXTRA}")
+        if key.partition(".")[0] in EXCLUDED_GROUPS:
+            raise ValueError(f"run-config key {key!r} in {EXTRA}: {', '.join(EXCLUDED_GROUPS)}.* are simulation "
+                             "settings, which a Flower deployment does not run; leave them out")
+        if isinstance(value, dict) or value is None:
+            raise ValueError(f"run-config key {key!r} in {EXTRA}: give a dotted key per leaf value "
+                             f"({key}.<field>), and null as the string 'null'; got {value!r}")
+        flat[key] = _encode(value)
+    return flat
 
 
 # ---------------------------------------------------------------- run config -> Hydra
@@ -260,6 +307,7 @@ def to_overrides(run_config: Mapping[str, Any]) -> tuple[list[str], dict[str, An
     """Hydra overrides for ``run_config`` and its ``deploy.*`` part (group choices first)."""
     from fl_platform.config import OPEN_OPTIONS
 
+    run_config = unpack_extra(run_config)
     groups = {p.name for p in conf_dir().iterdir() if p.is_dir()}
     chosen = {key.partition(".")[0]: value for key, value in run_config.items()
               if key.count(".") == 1 and key.endswith(".name")}

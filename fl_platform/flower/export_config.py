@@ -8,9 +8,10 @@ Overrides are exactly those of ``python -m fl_platform.run`` (plus ``deploy.*`` 
 experiment tuned in simulation is deployed with the same settings. ``--from-config
 <run_dir>/config.yaml`` exports a finished simulation run's resolved config instead.
 ``--pyproject`` prints the ``[tool.flwr.app.config]`` defaults for pyproject.toml (regenerate
-them when a config group gains an option or a field: the SuperLink refuses unknown keys); with
-overrides, the keys of the config they compose are added, e.g. a custom model's own arguments
-(``--pyproject model=custom model._target_=mypkg.nets:WideNet +model.width=64``).
+them when a built-in config group gains an option or a field: the SuperLink refuses unknown keys).
+A plug-in's or custom model's/loader's own fields need no regeneration: the exported run config
+carries the keys pyproject does not list in its JSON key ``extra``. (``--pyproject`` with overrides
+still adds the keys of the config they compose, for those who prefer them listed.)
 """
 
 from __future__ import annotations
