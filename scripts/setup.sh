@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
-# Create .venv (Python >= 3.11) and install fl_platform with its dev tools.
+# Create .venv (Python >= 3.11) and install fl_platform's runtime dependencies; `--dev` adds the
+# test and development extras (ruff, pytest and its plugins, the Hugging Face extra that its tests
+# cover), which only the test command needs.
 # Where no NVIDIA GPU is visible, torch is installed first as a CPU build, so that nothing
 # pulls a multi-GB CUDA build. Re-running is cheap: a stamp skips installs that are current.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+EXTRAS=""
+case "${1:-}" in
+  "") ;;
+  --dev) EXTRAS="dev,hf" ;;  # hf: dataset=hf, partition=flwr and their tests (docs/data.md)
+  *) echo "error: unknown argument '$1' (usage: scripts/setup.sh [--dev])" >&2; exit 2 ;;
+esac
 
 TORCH_VERSION="${FL_TORCH_VERSION:-2.13.0}"
 # A candidate must run, not just exist: a pyenv shim for a version that is not selected is on PATH
@@ -31,9 +40,15 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY=.venv/bin/python
 
-stamp_now="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
-if [ -f .venv/.setup-stamp ] && [ "$(cat .venv/.setup-stamp)" = "$stamp_now" ]; then
-  exit 0
+# The stamp names what was installed: the dev set includes the runtime set, so a dev stamp also
+# satisfies a runtime set-up, not the other way round.
+digest="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+stamp_now="$digest:${EXTRAS:-runtime}"
+if [ -f .venv/.setup-stamp ]; then
+  stamp_was="$(cat .venv/.setup-stamp)"
+  if [ "$stamp_was" = "$stamp_now" ] || { [ -z "$EXTRAS" ] && [ "$stamp_was" = "$digest:dev,hf" ]; }; then
+    exit 0
+  fi
 fi
 
 # pip's chatter (warnings about index locations from a machine-wide pip config, build-backend
@@ -69,8 +84,13 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 
-echo "setup: installing fl_platform and its dependencies" >&2
-pip_install -e ".[dev,hf]"  # hf: dataset=hf, partition=flwr and their tests (docs/data.md)
+if [ -n "$EXTRAS" ]; then
+  echo "setup: installing fl_platform with its dependencies and the extras [$EXTRAS]" >&2
+  pip_install -e ".[$EXTRAS]"
+else
+  echo "setup: installing fl_platform and its dependencies" >&2
+  pip_install -e .
+fi
 "$VPY" -c "import fl_platform, torch, flwr, ray, hydra" || { echo "error: installation failed" >&2; exit 1; }
 if ! command -v nvidia-smi >/dev/null 2>&1 && "$VPY" -c "import torch,sys; sys.exit(torch.version.cuda is None)"; then
   echo "warning: a CUDA build of torch is installed on a machine without a GPU" >&2

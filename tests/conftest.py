@@ -12,6 +12,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
 from fl_platform.config import register_configs
+from fl_platform.datasets.paths import ENV_VAR, data_root
 
 # Every Ray process of the tests (Ray started here, by RayEngine, by Flower's simulation, or in a
 # subprocess, which inherits this environment) binds 127.0.0.1, never the machine's network address.
@@ -22,12 +23,68 @@ CONF_DIR = REPO / "conf"
 
 register_configs()
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Parallel runs (scripts/test.sh: two pytest workers on two cores): one torch thread per worker
+    # process and per child process, so the workers do not oversubscribe the cores.
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _ray_tests_are_marked(request, monkeypatch):
+    """A test that starts Ray in this process must be marked ``ray``: the mark is what keeps every Ray test
+    on one pytest-xdist worker (below), so an unmarked one would start a second Ray beside it."""
+    if request.node.get_closest_marker("ray") is not None:
+        yield
+        return
+    import ray
+
+    real_init = ray.init
+
+    def init(*args, **kwargs):
+        pytest.fail(f"{request.node.nodeid} starts Ray but is not marked @pytest.mark.ray", pytrace=False)
+        return real_init(*args, **kwargs)
+
+    monkeypatch.setattr(ray, "init", init)
+    yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``--dist loadgroup``), every Ray test goes to one worker: they share the
+    session's Ray instance, and Ray clusters of their own would otherwise fight that worker's Ray for the
+    same two cores. The rest (Flower's processes included) spread over the workers beside them."""
+    for item in items:
+        if item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
 
 def compose_config(*overrides: str) -> DictConfig:
     """The config ``python -m fl_platform.run <overrides>`` would run (progress bar off)."""
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=["logger.progress=false", *overrides])
+
+
+@pytest.fixture(autouse=True)
+def _bare_data_root(request, monkeypatch, tmp_path_factory):
+    """Every test not marked ``shared_data`` sees an empty data root, as on a clone with no ``../shared``
+    beside it: one that reads the shared files without saying so fails here, in every run, instead of
+    only on a bare clone. Marked tests read the real root and skip through ``shared_dir`` when a file
+    is missing (tests/test_bare_clone.py runs them against an empty root)."""
+    if request.node.get_closest_marker("shared_data") is None:
+        empty = tmp_path_factory.getbasetemp() / "empty-data-root"
+        empty.mkdir(exist_ok=True)
+        monkeypatch.setenv(ENV_VAR, str(empty))
+
+
+def shared_dir(name: str, *files: str) -> Path:
+    """The folder ``name`` of the shared offline data (through ``data_root``, so ``$FL_DATA_ROOT`` works)
+    holding ``files``, or skip the test naming what is missing. For tests marked ``shared_data``."""
+    folder = data_root() / name
+    missing = [f for f in files if not (folder / f).exists()] if folder.is_dir() else [""]
+    if missing:
+        pytest.skip(f"shared data {folder / missing[0]} not present (a clone without ../shared/data)")
+    return folder
 
 
 @pytest.fixture

@@ -179,9 +179,18 @@ def test_ray_equals_inline_with_augmentation(ray_session):
 
 @pytest.mark.parametrize("dataset", ["shakespeare", "synthetic"])
 @pytest.mark.parametrize("key", ["dataset.augment.crop_padding=4", "dataset.augment.hflip=true"])
-def test_augmenting_non_images_is_refused(dataset, key):
-    extra = ("model=lstm", "dataset.max_speakers=3", "partition=natural") if dataset == "shakespeare" else \
-        ("model=mlp", "partition=natural")
+def test_augmenting_non_images_is_refused(dataset, key, tmp_path):
+    if dataset == "shakespeare":  # a small play in the real file's format, so no shared data is needed
+        (tmp_path / "tiny-shakespeare").mkdir()
+        play = "".join(f"{name}:\n{line * 4}\n\n" for name, line in
+                       [("First Citizen", "Before we proceed any further, hear me speak. "),
+                        ("All", "Speak, speak. We are resolved rather to die than to famish. "),
+                        ("MENENIUS", "Why, masters, my good friends, mine honest neighbours? ")] * 2)
+        (tmp_path / "tiny-shakespeare" / "input.txt").write_text(play)
+        extra = ("model=lstm", "dataset.max_speakers=3", "partition=natural", f"dataset.root={tmp_path}",
+                 "dataset.seq_len=20", "dataset.stride=10")
+    else:
+        extra = ("model=mlp", "partition=natural")
     cfg = compose_config(f"dataset={dataset}", "num_clients=3", "clients_per_round=3", *extra, key)
     with pytest.raises(ValueError, match=rf"{re.escape(key.split('=')[0])}=.*need images"):
         build(cfg)

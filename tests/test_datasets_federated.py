@@ -10,10 +10,11 @@ import torch
 
 from fl_platform.datasets.federated import FederatedDataset, build_federated_dataset, default_partition
 from fl_platform.datasets.partition import Partition, iid
-from fl_platform.datasets.paths import data_root
 from fl_platform.datasets.sources import synthetic
 from fl_platform.datasets.sources.digits import load_digits
 from fl_platform.datasets.sources.synthetic import load_synthetic
+
+from .conftest import shared_dir
 
 
 @pytest.fixture(scope="module")
@@ -140,10 +141,10 @@ def test_bad_names_give_clear_errors():
         build_federated_dataset("digits", 5000, "iid", seed=0)
 
 
+@pytest.mark.shared_data
 def test_real_femnist_and_shakespeare_natural_clients():
-    root = data_root()
-    if not (root / "femnist-leaf").is_dir() or not (root / "tiny-shakespeare").is_dir():
-        pytest.skip("real FEMNIST / tiny Shakespeare not present")
+    shared_dir("femnist-leaf", "train", "test")
+    shared_dir("tiny-shakespeare", "input.txt")
     # Options left None (as config files write them) still load only the clients asked for.
     fem = build_federated_dataset("femnist", 4, None, seed=0, source_options={"max_writers": None})
     assert fem.num_clients == 4 and fem.num_classes == 62 and fem.test_x.shape[0] > 0

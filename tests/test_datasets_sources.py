@@ -37,15 +37,9 @@ from fl_platform.datasets.sources.leaf import load_femnist, peek_users, read_lea
 from fl_platform.datasets.sources.shakespeare import LEAF_LETTERS, load_shakespeare, parse_speakers
 from fl_platform.datasets.sources.synthetic import device_sizes, load_synthetic
 
+from .conftest import shared_dir
+
 FILE_SOURCES = ["mnist", "fashion_mnist", "cifar10", "cifar100", "femnist", "shakespeare"]
-
-
-def real_dir(name: str) -> Path:
-    """A folder of the real offline data (found through data_root, so FL_DATA_ROOT works), or skip."""
-    folder = data_root() / name
-    if not folder.is_dir():
-        pytest.skip(f"real data {folder} not present")
-    return folder
 
 
 # --- data root ------------------------------------------------------------------------------
@@ -235,8 +229,9 @@ def test_idx_loaders_on_small_roots(tmp_path, loader, folder, compress):
     assert np.array_equal(raw.test_y, arrays["t10k-labels-idx1-ubyte"])
 
 
+@pytest.mark.shared_data
 def test_real_fashion_mnist():
-    folder = real_dir("fashion-mnist")
+    folder = shared_dir("fashion-mnist", "train-images-idx3-ubyte.gz", "t10k-images-idx3-ubyte.gz")
     s = load_fashion_mnist(root=folder.parent)
     assert s.train_x.shape == (60000, 1, 28, 28) and s.test_x.shape == (10000, 1, 28, 28)
     assert s.num_classes == 10
@@ -417,8 +412,9 @@ def femnist_readme_counts(folder: Path) -> dict[str, tuple[int, int]]:
     return counts or {"train": (105, 14708), "test": (105, 1685), "test_only_writers": (79, 2403)}
 
 
+@pytest.mark.shared_data
 def test_real_femnist_matches_its_readme():
-    folder = real_dir("femnist-leaf")
+    folder = shared_dir("femnist-leaf", "train", "test", "README.md")
     expected = femnist_readme_counts(folder)
     s = load_femnist(root=folder.parent, test_only_writers=True)
     train_writers = len(np.unique(s.train_groups))
@@ -479,8 +475,9 @@ def test_shakespeare_on_a_small_text(tmp_path):
     assert file_vocab.vocab[-1] == "<unk>" and "$" in file_vocab.vocab
 
 
+@pytest.mark.shared_data
 def test_real_shakespeare():
-    folder = real_dir("tiny-shakespeare")
+    folder = shared_dir("tiny-shakespeare", "input.txt")
     s = load_shakespeare(root=folder.parent)
     assert s.num_classes == 80 and s.input_shape == (80,)
     num_speakers = len(s.group_names)
