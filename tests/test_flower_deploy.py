@@ -285,3 +285,33 @@ def test_a_flower_run_resumes_after_the_superlink_and_serverapp_are_killed(tmp_p
         assert f["train_loss"] == pytest.approx(s["train_loss"], rel=1e-5)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rounds"] == 3 and summary["flower_run_id"] != 0
+
+
+# ---------------------------------------------------------------- an installed plug-in
+
+
+def test_an_entry_point_plugins_own_field_deploys_without_editing_pyproject(tmp_path, monkeypatch):
+    """tests/plugin_pkg installed (an fl_platform.algorithms entry point, clip_ep) and on every process's path:
+    its own field algorithm.max_norm and the custom loader's dataset.n travel in the run config's ``extra``
+    (pyproject.toml untouched, so the SuperLink accepts the run) and the run equals the simulator's."""
+    from fl_platform.config import unregister_algorithm_option
+
+    from .test_plugins import DATA, MODEL, TESTS, install
+
+    monkeypatch.syspath_prepend(str(TESTS))
+    name = install(tmp_path, monkeypatch, "clip_ep")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "site"), str(TESTS),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    overrides = [*DATA, *MODEL, f"algorithm={name}", "algorithm.max_norm=0.05"]
+    fed = Federation(tmp_path / "fed")
+    try:
+        fed.start_superlink()
+        for i in range(3):  # (no data-root: the plug-in's loader makes its data and takes no root)
+            fed.start_supernode(f"partition-id={i} num-partitions=3 threads=1", name=f"node{i}")
+        flower_dir = flower_run(fed, tmp_path, overrides)
+        given = OmegaConf.load(flower_dir / "config.yaml")
+        assert (given.algorithm.name, given.algorithm.max_norm, given.dataset.n) == (name, 0.05, 240)
+        assert_same_model(flower_dir, simulate(tmp_path, overrides))
+    finally:
+        fed.stop()
+        unregister_algorithm_option(name)
