@@ -50,6 +50,7 @@ COMMON = ["dataset=fashion_mnist", "model=mlp", "model.hidden=[128]", "partition
 # sampled clients and bandwidths (equal_bytes_ratio; the bandwidths do not depend on alpha). The
 # document compares the runs' logged bytes.
 EQUAL_RATIO = {0.003: 0.03137, 0.01: 0.140316, 0.03: 0.354791, 0.1: 0.610641}
+EQUAL_RATIO_GPU = 0.13973  # the same for the ResNet-18 of baow_cifar10 (its own layer sizes): equal_bytes_ratio
 TARGETS = (0.90, 0.95)  # time to target: these fractions of dense FedAvg's mean final accuracy
 SPEEDUP_TARGET = 0.90  # the target of the speedup columns and the verdict
 
@@ -144,10 +145,12 @@ def replace_priority(row: Row, priority: int) -> Row:
 
 # GPU: BAOW's paper setting as far as the card has it (CIFAR-10, Dirichlet, Top-k FedAvg baselines).
 def gpu_settings() -> list[Setting]:
-    rows = [Row("fedavg", "FedAvg (dense)", "fedavg", [], SEEDS5), rc.noise_row(SEEDS5),
-            Row("topk_equal", "Top-k, uniform ratio, BAOW's mean bytes", "fedavg", topk(EQUAL_RATIO[RHO0]), SEEDS5),
-            Row("topk_rho0", TOPK_RHO0, "fedavg", topk(RHO0), SEEDS5),
-            Row("baow", "BAOW (BCRS + OPWA)", "baow", [], SEEDS5)]
+    rows = [Row("fedavg", "FedAvg (dense)", "fedavg", [], SEEDS10), rc.noise_row(SEEDS10),
+            Row("topk_equal", "Top-k, uniform ratio, BAOW's mean bytes", "fedavg", topk(EQUAL_RATIO_GPU), SEEDS10),
+            Row("topk_rho0", TOPK_RHO0, "fedavg", topk(RHO0), SEEDS10),
+            Row("baow", "BAOW (BCRS + OPWA)", "baow", [], SEEDS10),
+            Row("baow_plain", "BAOW's ratios, plain averaging (BCRS alone)", "baow", ["algorithm.aggregation=plain"],
+                SEEDS10, "OPWA off: each coordinate divided by the round's total weight", "baow", 2)]
     title = ("CIFAR-10, Dirichlet(0.1), 100 clients / 10 per round, ResNet-18, E = 1, 500 rounds, "
              "heterogeneous uplinks (conf/experiment/baow_cifar10.yaml)")
     paper = claims("0.1")
@@ -162,11 +165,14 @@ def settings_of(budget: str, preset: str) -> list[Setting]:
 # ----------------------------------------------------------------------------- equal bytes (run once)
 
 
-def equal_bytes_ratio(rho0: float, seeds: list[int] = SEEDS10, rounds: int = ROUNDS) -> float:
+def equal_bytes_ratio(rho0: float, seeds: list[int] = SEEDS10, rounds: int = ROUNDS, preset: str | None = None) -> float:
     """The uniform Top-k ratio whose upload per client equals BAOW's mean over these seeds' sampled clients
-    and bandwidths (bisection on the layer-wise Top-k payload size). How ``EQUAL_RATIO`` was computed:
+    and bandwidths (bisection on the layer-wise Top-k payload size of the setting's own model: its
+    layer sizes and dense buffers decide the ratio). How ``EQUAL_RATIO`` was computed:
     ``python -c "import sys; sys.path.insert(0, 'scripts'); import results_compression as c;
-    print(c.equal_bytes_ratio(0.01), {r: c.equal_bytes_ratio(r, c.SEEDS5) for r in c.SWEEP})"``."""
+    print(c.equal_bytes_ratio(0.01), {r: c.equal_bytes_ratio(r, c.SEEDS5) for r in c.SWEEP})"``; and
+    ``EQUAL_RATIO_GPU`` (ResNet-18 of conf/experiment/baow_cifar10.yaml): ``c.equal_bytes_ratio(0.01,
+    c.SEEDS10, 500, "baow_cifar10")``."""
     import torch
 
     from fl_platform.algorithms.baow import keep_ratios
@@ -179,9 +185,15 @@ def equal_bytes_ratio(rho0: float, seeds: list[int] = SEEDS10, rounds: int = ROU
     sys.path.insert(0, str(REPO / "scripts" / "bench"))
     from common import compose
 
-    cfg = compose(*COMMON, "partition.alpha=0.1", f"rounds={rounds}")
+    if preset is None:
+        cfg = compose(*COMMON, "partition.alpha=0.1", f"rounds={rounds}")
+        model = build_model("mlp", (1, 28, 28), 10, hidden=[128])
+    else:  # the preset's model on CIFAR-10's 3 x 32 x 32 images, 10 classes
+        cfg = compose(f"+experiment={preset}", f"rounds={rounds}")
+        options = {k: v for k, v in cfg.model.items() if k != "name"}
+        model = build_model(cfg.model.name, (3, 32, 32), 10, **options)
     torch.manual_seed(0)
-    slots = FlatModel(build_model("mlp", (1, 28, 28), 10, hidden=[128])).slots
+    slots = FlatModel(model).slots
 
     def nbytes(ratio: float) -> int:
         return sum(TopK(ratio).payload_nbytes(s.numel) if s.is_param else 4 * s.numel for s in slots)

@@ -63,7 +63,7 @@ def table(s: rc.Setting, cells: dict[str, dict[int, rc.Run]]) -> str:
         if tag == rc.NOISE:  # what shuffling alone moves FedAvg's global model by
             d = rc.paired(glob, base)
             worst = _acc(r, GLOBAL.replace("mean", "worst10"))
-            cells_row += ["-"] * 3 + [rc.fmt_diff(d) + " (global)", rc.fmt_p(d), rc.reading(d),
+            cells_row += ["-"] * 4 + [rc.fmt_diff(d) + " (global)", rc.fmt_p(d), rc.reading(d),
                                       rc.fmt_mean(rc.interval(list(worst.values()))) + " (global)"]
         elif has_personal:
             pers = _acc(r, PERSONAL)

@@ -339,3 +339,36 @@ def test_the_gpu_document_builds_with_the_same_sections(tmp_path):
     assert "| FedImpro | 10 | 58.40 ± 2.60 | 54.50 ± 2.17 | +3.90 [+3.47, +4.33] | <0.001 | higher |" in text  # paired
     assert "- FedProx: `algorithm=fedprox algorithm.mu=0.1`" in text and "- FedImpro: `+experiment=fedimpro_cifar10`" in text
     assert text.count("Not run yet.") == 3  # the FMNIST and FEMNIST presets
+
+
+# ----------------------------------------------------------------------------- presets against their cards
+
+PRESETS = sorted(p.stem for p in (rc.REPO / "conf" / "experiment").glob("*.yaml"))
+DIFF_HEAD = "# Differences from the spec card ("
+
+
+def _differences(text: str) -> tuple[str, list[str]]:
+    """A preset's closing comment block: (its card, its items, continuation lines joined)."""
+    assert DIFF_HEAD in text, "no 'Differences from the spec card' block"
+    i = text.index(DIFF_HEAD)
+    card, items = text[i + len(DIFF_HEAD):].split(")", 1)[0], []
+    for line in text[i:].splitlines()[1:]:
+        if line.startswith("#   - "):
+            items.append(line[6:].strip())
+        elif line.startswith("#     ") and items:
+            items[-1] += " " + line[6:].strip()
+    return card, items
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_composes_and_lists_its_differences_from_its_card(preset):
+    """Every preset composes, names an existing spec card and lists its differences from it, and
+    docs/results/README.md lists the same differences under the preset's name."""
+    assert compose_config(f"+experiment={preset}").rounds >= 1
+    card, items = _differences((rc.REPO / "conf" / "experiment" / f"{preset}.yaml").read_text())
+    assert card.startswith("specs/") and card.endswith(".md") and items, (card, items)
+    readme = (rc.DOCS / "README.md").read_text()
+    head = f"### `{preset}` ({card})\n\n"
+    assert head in readme, f"docs/results/README.md has no section {head.strip()}"
+    section = readme.split(head, 1)[1].split("\n\n", 1)[0]
+    assert section.splitlines() == [f"- {x}" for x in items]
