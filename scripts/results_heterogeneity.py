@@ -173,16 +173,17 @@ def gpu_settings() -> list[Setting]:
     for name, title, preset, alg in GPU:
         # 10 seeds: the rows a verdict rests on need them (README.md, "Verdicts")
         rows = [Row("fedavg", "FedAvg", "fedavg", [], SEEDS10), rc.noise_row(SEEDS10)]
-        if alg == "fedimpro":  # FedImpro's tables also have FedProx (mu = 0.1 in its scripts) and SCAFFOLD
-            rows += [Row("fedprox", "FedProx", "fedprox", [], SEEDS10),
-                     Row("scaffold", "SCAFFOLD", "scaffold", [], SEEDS10)]
+        # FedImpro's and VHL's tables both have FedProx (mu = 0.1 in FedImpro's scripts), SCAFFOLD and FedNova
+        rows += [Row("fedprox", "FedProx", "fedprox", [], SEEDS10), Row("scaffold", "SCAFFOLD", "scaffold", [], SEEDS10),
+                 Row("fednova", "FedNova", "fednova", [], SEEDS10)]
         rows.append(Row(alg, LABELS[alg], alg, [], SEEDS10))
         paper = {"baseline": rc.PaperClaim("", f"a baseline of {LABELS[alg]}'s paper in this setting", None, None,
                                            "none: the paper's setting"),
                  alg: rc.PaperClaim(LABELS[alg], title, None, 1, f"none intended (conf/experiment/{preset}.yaml "
                                     "names what is not reproduced)", EXPECTED[alg])}
         out.append(Setting(name, title, [], 0, rows, {"fedavg": ["algorithm=fedavg"], "fedprox": [
-            "algorithm=fedprox", "algorithm.mu=0.1"], "scaffold": ["algorithm=scaffold"]}, preset, alg, paper))
+            "algorithm=fedprox", "algorithm.mu=0.1"], "scaffold": ["algorithm=scaffold"], "fednova": ["algorithm=fednova"]},
+            preset, alg, paper))
     return out
 
 

@@ -246,6 +246,8 @@ def test_gpu_plan_lists_the_papers_settings_and_stops_on_missing_data(tmp_path, 
     assert "cifar10_fedimpro/fedimpro/s0: python -m fl_platform.run +experiment=fedimpro_cifar10" in out
     baseline = next(line for line in out.splitlines() if line.startswith("cifar10_vhl/fedavg/s0:"))
     assert "dataset=cifar10" in baseline and "train.momentum=0.9" in baseline and "algorithm=fedavg" in baseline
+    for setting in ("cifar10_vhl", "cifar10_fedimpro"):  # the papers' baselines, 10 seeds each
+        assert all(f"{setting}/{tag}/s9:" in out for tag in ("fedprox", "scaffold", "fednova")), setting
     assert "MISSING" in out and "dataset 'cifar10' not found" in out
     assert het.main(["--preset", "gpu", "--artefacts", str(tmp_path / "art")]) == 2  # runs nothing
     assert not (tmp_path / "art").exists()
