@@ -52,10 +52,26 @@ def _ray_tests_are_marked(request, monkeypatch):
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``--dist loadgroup``), every Ray test goes to one worker: they share the
     session's Ray instance, and Ray clusters of their own would otherwise fight that worker's Ray for the
-    same two cores. The rest (Flower's processes included) spread over the workers beside them."""
+    same two cores. The rest (Flower's processes included) spread over the workers beside them.
+
+    Ray and Flower tests start processes (seconds each): they count as ``slow``, so the quick tier
+    ``./scripts/test.sh -m "not slow"`` is the in-process tests alone."""
     for item in items:
         if item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.xdist_group("ray"))
+        if item.get_closest_marker("ray") or item.get_closest_marker("flower"):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """``--dist loadgroup`` groups by a suffix pytest-xdist appends to each grouped test's id; with a pytest
+    it does not support the suffix is silently lost and the groups with it (pytest 9.2 + xdist 3.8)."""
+    if session.config.getoption("loadgroup", default=False):
+        lost = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+        if lost:
+            raise pytest.UsageError(f"pytest-xdist did not group {lost[0]} (and {len(lost) - 1} more): this pytest "
+                                    "and pytest-xdist do not work together; see pyproject.toml's dev extra")
 
 
 def compose_config(*overrides: str) -> DictConfig:

@@ -35,12 +35,16 @@ Federation = flower_utils.Federation
 pytestmark = [
     pytest.mark.flower,
     pytest.mark.slow,
+    pytest.mark.xdist_group("flower_deploy"),  # one pytest worker: each federation fixture starts once
     pytest.mark.skipif(not (flower_utils.BIN / "flower-superlink").exists(), reason="flwr CLI not installed"),
 ]
 
 DATA_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data"
 SMALL = ["num_clients=3", "clients_per_round=3", "rounds=3", "partition=iid", "train.epochs=1",
          "logger.progress=false"]
+# Equality with the simulator needs a round after the first (SCAFFOLD: each node's c_i from round 1 is used in
+# round 2); the node-loss and resume tests need three. Each round starts a ClientApp process per message.
+TWO_ROUNDS = ["rounds=2"]
 RUN_TIMEOUT = 420.0  # seconds for one `flwr run` of 3 rounds (the machine is shared)
 
 
@@ -125,8 +129,8 @@ def insecure(tmp_path_factory):
 
 
 def test_fedavg_through_flower_equals_the_simulator(insecure, tmp_path):
-    flower_dir = flower_run(insecure, tmp_path, ["algorithm=fedavg"])
-    sim_dir = simulate(tmp_path, ["algorithm=fedavg"])
+    flower_dir = flower_run(insecure, tmp_path, ["algorithm=fedavg", *TWO_ROUNDS])
+    sim_dir = simulate(tmp_path, ["algorithm=fedavg", *TWO_ROUNDS])
     assert_same_model(flower_dir, sim_dir)
     assert_run_dir_like_the_simulators(flower_dir, sim_dir)
     assert (flower_dir / "partition.npz").exists() and (flower_dir / "run_config.toml").exists()
@@ -135,8 +139,8 @@ def test_fedavg_through_flower_equals_the_simulator(insecure, tmp_path):
 def test_scaffold_through_flower_keeps_control_variates(insecure, tmp_path):
     """Equal to the simulator only if every SuperNode kept its client's c_i from round to round:
     from round 2 on each client's gradient correction is c - c_i."""
-    flower_dir = flower_run(insecure, tmp_path, ["algorithm=scaffold"])
-    sim_dir = simulate(tmp_path, ["algorithm=scaffold"])
+    flower_dir = flower_run(insecure, tmp_path, ["algorithm=scaffold", *TWO_ROUNDS])
+    sim_dir = simulate(tmp_path, ["algorithm=scaffold", *TWO_ROUNDS])
     assert_same_model(flower_dir, sim_dir)
     f_rows, s_rows = rows(flower_dir), rows(sim_dir)
     assert [r["control_norm"] for r in f_rows] == pytest.approx([r["control_norm"] for r in s_rows], rel=1e-5)
@@ -163,8 +167,8 @@ def secure(tmp_path_factory):
 
 
 def test_tls_and_node_auth_fedavg_equals_the_simulator_and_refuses_unregistered_nodes(secure, tmp_path):
-    flower_dir = flower_run(secure, tmp_path, ["algorithm=fedavg"])
-    sim_dir = simulate(tmp_path, ["algorithm=fedavg"])
+    flower_dir = flower_run(secure, tmp_path, ["algorithm=fedavg", *TWO_ROUNDS])
+    sim_dir = simulate(tmp_path, ["algorithm=fedavg", *TWO_ROUNDS])
     assert_same_model(flower_dir, sim_dir)
     assert_run_dir_like_the_simulators(flower_dir, sim_dir)
     intruder = secure.procs["intruder"]
@@ -302,7 +306,7 @@ def test_an_entry_point_plugins_own_field_deploys_without_editing_pyproject(tmp_
     name = install(tmp_path, monkeypatch, "clip_ep")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "site"), str(TESTS),
                                                       os.environ.get("PYTHONPATH", "")]))
-    overrides = [*DATA, *MODEL, f"algorithm={name}", "algorithm.max_norm=0.05"]
+    overrides = [*DATA, *MODEL, f"algorithm={name}", "algorithm.max_norm=0.05", *TWO_ROUNDS]
     fed = Federation(tmp_path / "fed")
     try:
         fed.start_superlink()

@@ -26,7 +26,10 @@ from fl_platform.training.loop import ClientData, TrainConfig
 SHAPE = (1, 8, 8)
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one torch thread (conftest)
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),  # tiny models: one torch thread (conftest)
+    pytest.mark.xdist_group("oneshot"),  # one pytest worker: the clients in shared_cache train once
+]
 
 
 def _setup(clients: int = 3) -> Setup:

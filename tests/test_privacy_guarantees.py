@@ -118,13 +118,15 @@ def test_the_server_cannot_regenerate_a_clients_local_noise_and_sees_nothing_els
     """Local DP: the server has every reply and the seed. Regenerating a client's noise from
     (seed, PRIVACY, round, 1, client, 0) and subtracting it would leave its clipped update (norm <= C).
     A reply carries the noised update and nothing else unaccounted: no metrics, no sample count."""
+    # Fixed-size cohorts: the deployment draws them from its own secret, so Poisson sizes would vary by run.
     grid, replies = _flower_run(tmp_path, "num_clients=5", "clients_per_round=3", "rounds=2", "privacy=local",
-                                f"privacy.clip={C}", f"privacy.noise_multiplier={Z}", "privacy.delta=1e-3")
+                                "privacy.sampling=fixed", f"privacy.clip={C}", f"privacy.noise_multiplier={Z}",
+                                "privacy.delta=1e-3")
     seed = 3  # the server's own run config (BASE)
     round_of = {m.metadata.message_id: int(m.content.config_records["context"]["round"])
                 for m in grid.pushed if m.metadata.message_type == "train"}
     train = [r for r in replies if r.metadata.reply_to_message_id in round_of]
-    assert len(train) >= 3
+    assert len(train) == 6  # 3 clients in each of 2 rounds
     for reply in train:
         content = reply.content
         info = content.metric_records["info"]

@@ -104,7 +104,10 @@ class Reference:
         return fm.grad.clone()
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one torch thread (conftest)
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),  # tiny models: one torch thread (conftest)
+    pytest.mark.xdist_group("ssgd_dist"),  # one pytest worker: scenario_runs (a torchrun) runs once
+]
 
 
 def _saved(run_dir: Path) -> dict[str, torch.Tensor]:
