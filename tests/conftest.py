@@ -49,6 +49,7 @@ def _ray_tests_are_marked(request, monkeypatch):
     yield
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``--dist loadgroup``), every Ray test goes to one worker: they share the
     session's Ray instance, and Ray clusters of their own would otherwise fight that worker's Ray for the
