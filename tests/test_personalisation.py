@@ -31,6 +31,7 @@ from fl_platform.training.flat import FlatModel
 from fl_platform.training.loop import ClientData, LocalTrainer, TrainConfig
 
 from .conftest import compose_config
+from .test_engine_resume import _StopAfter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -349,21 +350,6 @@ def test_finetuning_evaluates_after_k_local_steps_from_the_personal_model():
         acc = float((ref.fm.model(test.x).argmax(-1) == test.y).float().mean())
     assert scores["finetuned_test_accuracy"] == pytest.approx(acc, abs=1e-12)
     assert scores["n_test"] == 12 and "personal_test_accuracy" in scores
-
-
-class _StopAfter:
-    """A reporter that interrupts the run once it has logged ``rounds`` rows (like Ctrl-C)."""
-
-    def __init__(self, rounds: int) -> None:
-        self.rounds, self.seen = rounds, 0
-
-    def round_done(self, row: dict) -> None:
-        self.seen += 1
-        if self.seen == self.rounds:
-            raise KeyboardInterrupt
-
-    def close(self) -> None:
-        pass
 
 
 def test_interrupted_run_resumes_to_the_same_client_metrics(tmp_path):
