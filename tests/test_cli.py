@@ -22,6 +22,60 @@ def run_cli(*args: str, cwd: Path = REPO, timeout: int = 240) -> subprocess.Comp
                           cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+class ForkServer:
+    """tests/cli_forkserver.py: ``python -m fl_platform.run`` as a child forked from one process that has
+    the CLI's modules imported, so that each bad-input case does not pay for importing torch and Hydra."""
+
+    def __init__(self) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_forkserver.py")], cwd=REPO, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def run(self, *args: str, tmp: Path, timeout: int = 240) -> subprocess.CompletedProcess:
+        env = {**os.environ, "HYDRA_FULL_ERROR": "0", "PYTHONPATH": str(REPO / "tests")}
+        flags = [a for a in args if a.startswith("-")]
+        argv = [*flags, "logger.progress=false", *[a for a in args if not a.startswith("-")]]
+        out, err = tmp / "cli.stdout", tmp / "cli.stderr"
+        request = {"args": argv, "cwd": str(REPO), "env": env, "stdout": str(out), "stderr": str(err),
+                   "timeout": timeout}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        assert reply, f"the CLI fork server exited with {self.proc.poll()}"
+        return subprocess.CompletedProcess(argv, json.loads(reply)["returncode"], out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def cli():
+    server = ForkServer()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def test_the_fork_server_runs_the_cli_as_a_fresh_process_would(cli, tmp_path):
+    """The bad-input cases below go through the fork server: it must report what ``python -m`` does
+    (the same exit code and stderr for a failure, the run's lines and files for a success)."""
+    bad = ["train.lr_schedule.name=linear", f"hydra.run.dir={tmp_path / 'bad'}"]
+    forked, fresh = cli.run(*bad, tmp=tmp_path), run_cli(*bad)
+    assert forked.returncode == fresh.returncode == 1
+    assert forked.stderr.strip().splitlines()[-1] == fresh.stderr.strip().splitlines()[-1]
+    good = cli.run("rounds=1", "num_clients=5", "clients_per_round=2", f"hydra.run.dir={tmp_path / 'good'}",
+                   tmp=tmp_path)
+    assert good.returncode == 0, good.stderr
+    assert good.stdout.strip().splitlines()[-1] == f"run_dir: {tmp_path / 'good'}"
+    assert (tmp_path / "good" / "summary.json").exists()
+
+
 def test_run_writes_the_run_directory(tmp_path):
     proc = run_cli("rounds=3", "eval_every=2", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr
@@ -113,8 +167,8 @@ _DATA = ("dataset=custom", "dataset._target_=plugin_pkg.data:blobs")
      ["callbacks[0].round='abc': parameter round of plugin_pkg.cb:StopAt", "annotated int, got str 'abc'"]),
     (["engine.threads_per_worker=0"], ["engine.threads_per_worker must be >= 1"]),
 ])
-def test_bad_input_fails_with_a_clear_message(args, expected, tmp_path):
-    proc = run_cli(*args, f"hydra.run.dir={tmp_path / 'run'}")
+def test_bad_input_fails_with_a_clear_message(args, expected, tmp_path, cli):
+    proc = cli.run(*args, f"hydra.run.dir={tmp_path / 'run'}", tmp=tmp_path)
     assert proc.returncode != 0
     for text in expected:
         assert text in proc.stderr, f"{text!r} not in stderr:\n{proc.stderr}"
