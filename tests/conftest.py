@@ -49,6 +49,12 @@ def _ray_tests_are_marked(request, monkeypatch):
     yield
 
 
+def pytest_configure(config):
+    """``xdist_group`` stays a known mark without pytest-xdist (``-p no:xdist``, one process), where
+    ``--strict-markers`` would otherwise refuse every grouped test; it groups nothing there."""
+    config.addinivalue_line("markers", "xdist_group(name): run the tests of one group on one pytest-xdist worker")
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``--dist loadgroup``), every Ray test goes to one worker: they share the
