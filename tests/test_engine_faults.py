@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fl_platform.engine.faults import Faults, FaultyWorker
+from fl_platform.engine.worker import Worker
 from fl_platform.experiment import build
 from fl_platform.rounds.sampling import sample_clients
 from fl_platform.rounds.simulation import is_timing_key
@@ -59,6 +61,21 @@ def test_a_worker_that_dies_before_holding_any_state_loses_nothing(ray_session):
     assert faulty.engine.restarts == 1 and faulty.engine.state_backend == "memory"
     assert float((faulty.simulation.server.weights - clean.simulation.server.weights).abs().max()) <= 1e-6
     assert results(faulty) == results(clean)
+
+
+def test_faults_live_outside_the_production_worker():
+    """engine.fault_injection builds the workers from faults.py's subclass; every other run builds plain
+    Workers, which hold no test code."""
+    plain = build(compose_config(*COMMON, "engine.num_workers=2"))
+    slowed = build(compose_config(*COMMON, "engine.num_workers=2", "engine.fault_injection.slow_worker=1",
+                                  "engine.fault_injection.slow_factor=2"))
+    try:
+        assert [type(w) for w in plain.engine.workers] == [Worker, Worker]
+        assert [type(w) for w in slowed.engine.workers] == [FaultyWorker, FaultyWorker]
+        assert slowed.engine.workers[0].faults == Faults(slow_worker=1, slow_factor=2.0)
+    finally:
+        plain.engine.close()
+        slowed.engine.close()
 
 
 def test_fault_injection_needs_ray():

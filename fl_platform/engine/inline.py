@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from fl_platform.core import Broadcast, RoundContext
-from fl_platform.engine.scheduler import Scheduler, check_slow_worker
+from fl_platform.engine.faults import Faults, FaultyWorker
+from fl_platform.engine.scheduler import Scheduler
 from fl_platform.engine.worker import Worker, WorkerOptions
 from fl_platform.rounds.client_eval import assignment
 from fl_platform.rounds.engine import Engine, WorkerResult
@@ -26,23 +27,25 @@ class InlineEngine(Engine):
     def __init__(self, setup: ExperimentSetup, num_workers: int = 1, *, scheduler_smoothing: float = 0.5,
                  scheduler: str = "lpt", slow_worker: int | None = None, slow_factor: float = 1.0) -> None:
         """``slow_worker``/``slow_factor``: TEST ONLY, that worker's clients take ``slow_factor`` times
-        as long (``engine.fault_injection.slow_worker``)."""
+        as long (``engine.fault_injection.slow_worker``; the workers are then ``faults.FaultyWorker``)."""
         if num_workers < 1:
             raise ValueError(f"engine.num_workers must be >= 1, got {num_workers}")
-        check_slow_worker(slow_worker, num_workers)
+        faults = Faults.from_conf({"slow_worker": slow_worker, "slow_factor": slow_factor}, num_workers)
         self.setup = setup
         self.num_workers = num_workers
         self.distributed = setup.state_store == "distributed"
 
-        def options(i: int) -> WorkerOptions:
-            return WorkerOptions(num_workers=num_workers, device_share=1.0 / num_workers,
-                                 slow_factor=slow_factor if i == slow_worker else 1.0)
+        def worker(i: int, store: Any = None) -> Worker:
+            options = WorkerOptions(num_workers=num_workers, device_share=1.0 / num_workers)
+            if faults is None:
+                return Worker(i, setup, options, store=store)
+            return FaultyWorker(i, setup, options, store=store, faults=faults)
 
-        first = Worker(0, setup, options(0))
+        first = worker(0)
         workers = [first]
         for i in range(1, num_workers):
             # One shared store unless each worker is the home of its own clients.
-            workers.append(Worker(i, setup, options(i), store=None if self.distributed else first.store))
+            workers.append(worker(i, store=None if self.distributed else first.store))
         self.workers = workers
         self.stateful = first.stateful
         home = (lambda c: home_worker(c, num_workers)) if self.distributed and self.stateful else None

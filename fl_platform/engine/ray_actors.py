@@ -6,9 +6,9 @@ starts one actor per worker id, spread over the cluster's nodes, records each on
 they are alive, and replaces a dead one (crash, OOM kill, ``os._exit``, lost node) with a fresh
 actor for the same id: on the same node while that node lives (so a home finds its node-local
 states again), else on a node that has room. The engine then reruns that worker's share of the
-round, or rolls the run back to its last checkpoint when states were lost with the node. A
-replacement starts with ``incarnation + 1``, which switches test-only fault injection off so that
-a rerun succeeds.
+round, or rolls the run back to its last checkpoint when states were lost with the node. With
+``engine.fault_injection`` (test only) the actors are ``faults.FaultyRayWorker``s, told their
+incarnation (0, +1 per replacement) so that a replacement's rerun succeeds.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fl_platform.compression.uplink import contribution_sizes
 from fl_platform.core import Aggregate, Broadcast, RoundContext
@@ -29,6 +29,9 @@ from fl_platform.engine.worker import Worker, WorkerOptions
 from fl_platform.state.distributed import home_worker
 from fl_platform.state.nodes import node_state_dir
 from fl_platform.state.store import State
+
+if TYPE_CHECKING:
+    from fl_platform.engine.faults import Faults
 
 log = logging.getLogger(__name__)
 
@@ -201,13 +204,14 @@ def hold_eval_gpu(share: float, timeout: float = START_TIMEOUT_S, group: GpuGrou
 class ActorPool:
     """One live actor per worker id, each pinned to a node once it started there."""
 
-    def __init__(self, placement: Placement, setup_ref: Any, options: Callable[[int, int], WorkerOptions],
+    def __init__(self, placement: Placement, setup_ref: Any, options: Callable[[int], WorkerOptions],
                  start_timeout_s: float = START_TIMEOUT_S, blocks: Sequence[Any] = (),
-                 group: GpuGroup | None = None) -> None:
-        """``options(worker_id, incarnation)`` gives each new actor its WorkerOptions; an actor not up within
+                 group: GpuGroup | None = None, faults: Faults | None = None) -> None:
+        """``options(worker_id)`` gives each new actor its WorkerOptions; an actor not up within
         ``start_timeout_s`` (engine.start_timeout_s), first or replacement, is an error. ``blocks``: the
         object references of the training features' row blocks, which every actor receives. ``group``:
-        the GPU bundles (GPU workers), each worker in its own GPU's bundle."""
+        the GPU bundles (GPU workers), each worker in its own GPU's bundle. ``faults``: TEST ONLY
+        (engine.fault_injection), the actors are then ``faults.FaultyRayWorker``s."""
         import ray
 
         self._ray = ray
@@ -217,7 +221,13 @@ class ActorPool:
         self._setup_ref = setup_ref
         self._blocks = list(blocks)
         self._options = options
-        self._cls = ray.remote(RayWorker)
+        self._faults = faults
+        if faults is None:
+            self._cls = ray.remote(RayWorker)
+        else:
+            from fl_platform.engine.faults import FaultyRayWorker  # (it imports this module)
+
+            self._cls = ray.remote(FaultyRayWorker)
         self.incarnation = [0] * placement.num_workers
         self.restarts = 0
         self.nodes: list[str | None] = [None] * placement.num_workers  # node id of each worker's actor
@@ -242,8 +252,8 @@ class ActorPool:
                       "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False) if node is not None
                       else "SPREAD"}
         cls = self._cls.options(max_restarts=0, max_task_retries=0, **placed)
-        return cls.remote(worker_id, self._setup_ref, self._options(worker_id, self.incarnation[worker_id]),
-                          *self._blocks)
+        faults = {} if self._faults is None else {"faults": self._faults, "incarnation": self.incarnation[worker_id]}
+        return cls.remote(worker_id, self._setup_ref, self._options(worker_id), *self._blocks, **faults)
 
     def ping_all(self) -> None:
         """Wait until every actor is up (its Worker built) and record its node; a failure in a

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from fl_platform.core import Aggregate, Broadcast, RoundContext
+from fl_platform.engine.faults import Faults
 from fl_platform.engine.ray_actors import START_TIMEOUT_S, ActorPool, RoundCall, hold_eval_gpu
 from fl_platform.engine.ray_cluster import connect
 from fl_platform.engine.ray_placement import (
@@ -54,7 +55,7 @@ from fl_platform.engine.ray_placement import (
     whole_gpus,
 )
 from fl_platform.engine.ray_state import Lending
-from fl_platform.engine.scheduler import Scheduler, check_slow_worker
+from fl_platform.engine.scheduler import Scheduler
 from fl_platform.engine.transport import Packed, received_bytes
 from fl_platform.engine.worker import WorkerOptions
 from fl_platform.rounds.client_eval import assignment
@@ -151,13 +152,8 @@ class RayEngine(Engine):
                          "in node-local files (engine.state_dir_shared=true shares one folder instead)", num_workers)
             options.update(backend=self.state_backend, node_run=f"run-{uuid.uuid4().hex[:12]}")
         self.setup = dataclasses.replace(setup, state_store=kind, state_options=options)
-        fault = conf_value(cfg, "fault_injection", {}) or {}
-        self.fault_client = conf_value(fault, "client")
-        fault_round = conf_value(fault, "round")  # 1-based in the config, as in metrics.jsonl
-        self.fault_round = None if fault_round is None else int(fault_round) - 1
-        self.slow_worker = conf_value(fault, "slow_worker")  # TEST ONLY: this worker's clients take
-        self.slow_factor = float(conf_value(fault, "slow_factor", 1.0))  # slow_factor x as long
-        check_slow_worker(self.slow_worker, num_workers)
+        # TEST ONLY (engine.fault_injection): None unless a fault is asked for; then the actors are FaultyRayWorkers.
+        faults = Faults.from_conf(conf_value(cfg, "fault_injection"), num_workers)
         t0 = time.perf_counter()
         # The training features go into the object store one row block at a time, and from then on the
         # driver reads each block from the store's copy, as its node's workers do, its own freed: the
@@ -170,7 +166,8 @@ class RayEngine(Engine):
             data.hold_block(i, ray.get(blocks[-1]))
         setup_ref = ray.put(Packed(dataclasses.replace(self.setup, dataset=data.without_training_features())))
         data.hold_copy(ray.get(setup_ref).dataset)
-        self.pool = ActorPool(self.placement, setup_ref, self._options, self.start_timeout_s, blocks, self.group)
+        self.pool = ActorPool(self.placement, setup_ref, self._options, self.start_timeout_s, blocks, self.group,
+                              faults)
         self.pool.ping_all()
         self.stateful = bool(ray.get(self.pool[0].is_stateful.remote()))
         self.state_nbytes = int(ray.get(self.pool[0].state_nbytes.remote())) if self.stateful else 0
@@ -189,15 +186,11 @@ class RayEngine(Engine):
         self._lost: str | None = None  # why states were lost: no round runs until restore_state
         self._stats: dict[str, Any] = {}
 
-    def _options(self, worker_id: int, incarnation: int) -> WorkerOptions:
+    def _options(self, worker_id: int) -> WorkerOptions:
         return WorkerOptions(
             num_workers=self.num_workers,
             durable_rounds=True,
             drop_cache_each_round=self.shared and self.num_workers > 1,
-            incarnation=incarnation,
-            fault_client=self.fault_client,
-            fault_round=self.fault_round,
-            slow_factor=self.slow_factor if worker_id == self.slow_worker else 1.0,
             device_share=self.group.share(worker_id) if self.group is not None else 1.0 / self.num_workers,
         )
 

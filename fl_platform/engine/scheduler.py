@@ -227,13 +227,6 @@ class Scheduler:
         self.model.load_state_dict(state)
 
 
-def check_slow_worker(slow_worker: int | None, num_workers: int) -> None:
-    """Refuse ``engine.fault_injection.slow_worker`` naming a worker the run does not have."""
-    if slow_worker is not None and not 0 <= slow_worker < num_workers:
-        raise ValueError(f"engine.fault_injection.slow_worker={slow_worker} names no worker: the run has "
-                         f"{num_workers} (ids 0..{num_workers - 1})")
-
-
 #: Below this predicted busy fraction a run warns at start-up that its rounds cannot keep every worker busy.
 BUSY_WARN = 0.85
 

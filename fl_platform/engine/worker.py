@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -57,10 +56,6 @@ class WorkerOptions:
     num_workers: int = 1
     durable_rounds: bool = False  # flush the state store after every round (survives a crash of this process)
     drop_cache_each_round: bool = False  # other processes write the same store: do not trust cached reads
-    incarnation: int = 0  # 0 for the first actor of this worker id, +1 per restart
-    fault_client: int | None = None  # TEST ONLY: the process exits when it starts training this client...
-    fault_round: int | None = None  # ...in this round (0-based; None: any round), first incarnation only
-    slow_factor: float = 1.0  # TEST ONLY: each client takes this many times its measured time (a sleep)
     device_share: float = 1.0  # the fraction of its device's memory this worker may use (cohort_size=auto)
 
 
@@ -160,19 +155,10 @@ class Worker:
         acc = _Round()
         with self._training():
             for i, cid in enumerate(client_ids):
-                self._inject_fault(ctx, cid)
                 if self.stateful and i + 1 < len(client_ids):
                     self._prefetch.prefetch(client_ids[i + 1])
                 with clock.span("train"):  # (less the state I/O inside it, below)
-                    t0 = time.perf_counter()
-                    chunk_seconds = self._train_chunk(ctx, bc, client_ids, i, acc.aggregate)
-                    update = self._train_client(ctx, bc, cid, acc)
-                    if update is not None:
-                        self._fold(update, acc)
-                    if self.device.type == "cuda":  # (also completes the fold's offload copies)
-                        torch.cuda.synchronize(self.device)
-                    seconds = time.perf_counter() - t0 - chunk_seconds + self._shares.get(cid, 0.0)
-                    acc.seconds[cid] = seconds + self._slow_down(seconds)
+                    acc.seconds[cid] = self._train_one(ctx, bc, client_ids, i, acc)
         outbox: dict[int, State] = {}
         with clock.span("state_io"):
             outbox = self._stage_states(ctx, acc)
@@ -240,6 +226,19 @@ class Worker:
                 scores[cid] = evaluate_client(self.client, self.trainer, ctx, cid, bc, state, self.client_data(cid),
                                               ClientData(x, y, rows), self.setup.finetune_steps)
         return to_host(scores)
+
+    def _train_one(self, ctx: RoundContext, bc: Broadcast, client_ids: list[int], i: int, acc: _Round) -> float:
+        """Train client ``client_ids[i]`` (its vectorised chunk first, at a chunk boundary) and fold its
+        update into ``acc``; returns the client's seconds for the scheduler's runtime model (its share of
+        a chunk's time, not the chunk's)."""
+        t0 = time.perf_counter()
+        chunk_seconds = self._train_chunk(ctx, bc, client_ids, i, acc.aggregate)
+        update = self._train_client(ctx, bc, client_ids[i], acc)
+        if update is not None:
+            self._fold(update, acc)
+        if self.device.type == "cuda":  # (also completes the fold's offload copies)
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0 - chunk_seconds + self._shares.get(client_ids[i], 0.0)
 
     def _train_client(self, ctx: RoundContext, bc: Broadcast, cid: int, acc: _Round) -> ClientUpdate | None:
         """Train one client; a non-finite update is rejected (None) or raised, by ``engine.nonfinite``."""
@@ -369,24 +368,6 @@ class Worker:
             acc.updates.append(update)
         elif not self._summed:  # (a chunk summed at once is in the aggregate already)
             acc.aggregate.add_update(update)
-
-    def _inject_fault(self, ctx: RoundContext, cid: int) -> None:
-        """TEST ONLY (``engine.fault_injection``): die like an OOM-killed process, without cleanup."""
-        o = self.options
-        if (o.fault_client == cid and o.incarnation == 0
-                and (o.fault_round is None or o.fault_round == ctx.round)):
-            log.warning("fault injection: worker %d exits on client %d in round %d", self.worker_id, cid,
-                        ctx.round + 1)
-            os._exit(17)
-
-    def _slow_down(self, seconds: float) -> float:
-        """TEST ONLY (``engine.fault_injection.slow_worker``): stretch a client that took ``seconds``
-        to ``slow_factor`` times as long, like slower hardware. Returns the seconds added."""
-        if self.options.slow_factor == 1.0:
-            return 0.0
-        t0 = time.perf_counter()
-        time.sleep(max(seconds, 0.0) * (self.options.slow_factor - 1.0))
-        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ distributed state
 

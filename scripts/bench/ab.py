@@ -3,7 +3,7 @@
 
 Rounds of a few milliseconds move by 10-20 % from run to run on a shared VM, more than the
 differences worth finding, and a noisy host slows both sides alike. So the two checkouts run in
-fresh processes one after the other, ``--pairs`` times, and the comparison is the paired ratio
+fresh processes one after the other (in alternating order), ``--pairs`` times, and the comparison is the paired ratio
 this / base of each pair's median round (rounds 2 .. R-1: round 1 warms up, the last evaluates):
 its geometric mean with a 95 % t-interval over the pairs' log ratios.
 
@@ -13,6 +13,7 @@ The base needs the same benchmark helpers (``scripts/bench/common.py``'s ``compo
     git worktree add ../base 4d37b44
     python scripts/bench/ab.py --base ../base --pairs 12            # appends a set to docs/results/bench_ab.json
     python scripts/bench/ab.py --base ../base --pairs 6 --calls     # a round's call pair alone (transport)
+    python scripts/bench/ab.py --base ../base --pairs 5 --workload utilisation --rounds 5   # GPU-shaped workload
     python scripts/bench/ab.py --from-results                       # the sets recorded so far
 """
 
@@ -40,19 +41,31 @@ sys.path.insert(0, str(REPO / "scripts"))
 from results_common import interval
 
 RESULTS = REPO / "docs" / "results" / "bench_ab.json"
-#: Run inside the checkout under test (cwd and PYTHONPATH): prints one JSON line.
+#: Run inside the checkout under test (cwd and PYTHONPATH): writes one JSON line. The workload: the
+#: engine benchmark's (``engine.py``'s configuration), or ``utilisation``, the GPU-shaped one of
+#: ``utilisation.py`` (CIFAR-shaped synthetic images, the small ResNet, 40 clients per round, Ray with 2
+#: workers), its overrides and data from the checkout under test.
 CHILD = """
-import json, statistics, sys
+import json, statistics, sys, tempfile
+from pathlib import Path
 from common import compose
-import engine as E
 from fl_platform.experiment import build
 *args, _, out = sys.argv[1:]  # ... --out FILE
-config, rounds, *extra = args
-exp = build(compose(*E.our_overrides(config, int(rounds)), *extra))
-try:
-    exp.simulation.run()
-finally:
-    exp.engine.close()
+workload, config, rounds, *extra = args
+with tempfile.TemporaryDirectory(prefix="fl-ab-") as tmp:
+    if workload == "utilisation":
+        from common import write_cifar_like
+        import utilisation as U
+        write_cifar_like(Path(tmp), train=4000, test=500)
+        overrides = U.overrides(Path(tmp), int(rounds), 2)
+    else:
+        import engine as E
+        overrides = E.our_overrides(config, int(rounds))
+    exp = build(compose(*overrides, *extra))
+    try:
+        exp.simulation.run()
+    finally:
+        exp.engine.close()
 times = [r["round_time_s"] for r in exp.simulation.history[1:-1]]
 open(out, "w").write(json.dumps({"median_round_s": statistics.median(times)}))
 """
@@ -157,10 +170,11 @@ def pools(sets: list[dict[str, Any]],
     return out
 
 
-def run_once(checkout: Path, config: str, rounds: int, extra: list[str], timeout: float, calls: bool) -> float:
+def run_once(checkout: Path, config: str, rounds: int, extra: list[str], timeout: float, calls: bool,
+             workload: str = "engine") -> float:
     """One fresh process in ``checkout`` (run_child: its process tree, Ray's included, stopped after)."""
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    args = [CALLS, str(rounds)] if calls else [CHILD, config, str(rounds), *extra]
+    args = [CALLS, str(rounds)] if calls else [CHILD, workload, config, str(rounds), *extra]
     res = run_child([sys.executable, "-c", *args], timeout, env=env, checkout=checkout)
     if not res.ok:
         raise RuntimeError(f"run in {checkout} failed: {res.error}")
@@ -188,11 +202,16 @@ def main() -> None:
     p.add_argument("--results", type=Path, default=RESULTS)
     p.add_argument("--calls", action="store_true",
                    help="time a round's call pair alone (actors that do no work; --rounds calls per run, 5 runs)")
+    p.add_argument("--workload", choices=("engine", "utilisation"), default="engine",
+                   help="engine: the engine benchmark's workload (--config); utilisation: the GPU-shaped "
+                        "workload of scripts/bench/utilisation.py (Ray, 2 workers; --rounds 5 or more)")
     p.add_argument("--from-results", action="store_true", help="summarise the recorded sets; run nothing")
-    p.add_argument("overrides", nargs="*", default=["engine=ray", "engine.num_workers=2",
-                                                    "engine.threads_per_worker=1"],
-                   help="config overrides of both sides (default: Ray, 2 workers, 1 thread each)")
+    p.add_argument("overrides", nargs="*",
+                   help="config overrides of both sides (default for the engine workload: Ray, 2 workers, "
+                        "1 thread each; the utilisation workload sets its own)")
     a = p.parse_args()
+    if not a.overrides and a.workload == "engine":
+        a.overrides = ["engine=ray", "engine.num_workers=2", "engine.threads_per_worker=1"]
     sets = json.loads(a.results.read_text())["sets"] if a.results.exists() else []
     if a.from_results:
         for s in sets:
@@ -207,13 +226,18 @@ def main() -> None:
         p.error("--pairs must be >= 2 and --rounds >= 3")
     pairs: list[tuple[float, float]] = []
     for i in range(a.pairs):
-        base = run_once(a.base.resolve(), a.config, a.rounds, a.overrides, a.timeout, a.calls)
-        this = run_once(REPO, a.config, a.rounds, a.overrides, a.timeout, a.calls)
+        run = functools.partial(run_once, config=a.config, rounds=a.rounds, extra=a.overrides, timeout=a.timeout,
+                                calls=a.calls, workload=a.workload)
+        if i % 2:  # the order alternates, so that neither side always runs first
+            this, base = run(REPO), run(a.base.resolve())
+        else:
+            base, this = run(a.base.resolve()), run(REPO)
         pairs.append((base, this))
         print(f"[ab] pair {i + 1}/{a.pairs}: base {base * 1e3:.3f} ms, this {this * 1e3:.3f} ms "
               f"(load {os.getloadavg()[0]:.2f})", flush=True)
     print(summary(pairs))
-    config, overrides = ("calls", ["two idle actors"]) if a.calls else (a.config, a.overrides)
+    config, overrides = (("calls", ["two idle actors"]) if a.calls else
+                         ("utilisation", a.overrides) if a.workload == "utilisation" else (a.config, a.overrides))
     sets.append({"date": time.strftime("%Y-%m-%d"), "config": config, "rounds": a.rounds, "overrides": overrides,
                  "base_commit": git_commit(a.base), "this_commit": git_commit(REPO), "pairs": pairs})
     a.results.parent.mkdir(parents=True, exist_ok=True)
