@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""FedAvg, FedProx, SCAFFOLD and the catalogue (FedAdam, FedYogi, FedAdagrad, FedDyn, MOON) on digits
+"""FedAvg, FedProx, SCAFFOLD, FedNova and the catalogue (FedAdam, FedYogi, FedAdagrad, FedDyn, MOON) on digits
 (100 clients, 10 per round) -> docs/results/baselines.md.
 
     nice -n 19 python scripts/results_baselines.py --jobs 2     # run what is missing (minutes), write the document
@@ -9,8 +9,8 @@
 Two partitions of scikit-learn's digits: Dirichlet(0.5) label skew and the strongly non-IID
 2-classes-per-client shards; 10 seeds per row and the noise-floor control (FedAvg with only its
 minibatch orders changed). Method and statistics: scripts/results_common.py, docs/results/README.md.
-FedAvg, FedProx and SCAFFOLD have no card in ../shared/specs, so there is no paper number to compare
-with; in the papers' large settings they run as the baselines of ``results_heterogeneity.py --preset gpu``.
+FedAvg, FedProx, SCAFFOLD and FedNova have no card in ../shared/specs, so there is no paper number to
+compare with; in the papers' large settings they run as the baselines of ``results_heterogeneity.py --preset gpu``.
 The server optimisers' eta (SERVER_LR) was picked on seeds 100-101 (never reported) of the Dirichlet
 setting from {0.003, 0.01, 0.03, 0.1} (Adagrad also 0.3, 1.0), by the mean of the last 5 evaluations.
 """
@@ -26,14 +26,14 @@ sys.path.insert(0, str(REPO / "scripts"))
 import results_common as rc  # noqa: E402
 
 DOC = "baselines"
-LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD"}
+LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD", "fednova": "FedNova"}
 #: The standard catalogue (docs/algorithms/catalogue.md): rows beside the baselines, paired with FedAvg.
 CATALOGUE = {"fedadam": "FedAdam", "fedyogi": "FedYogi", "fedadagrad": "FedAdagrad", "feddyn": "FedDyn", "moon": "MOON"}
 SERVER_LR = {"adam": 0.01, "yogi": 0.01, "adagrad": 0.1}  # eta, tuned on seeds 100-101 (see the docstring)
 PARTITIONS = {"dirichlet": ("Dirichlet(0.5) label skew", ["partition=dirichlet", "partition.alpha=0.5"]),
               "shards": ("shards, 2 classes per client", ["partition=shards", "partition.classes_per_client=2"])}
 NO_CARD = rc.PaperClaim("", "no card in ../shared/specs (FedAvg: McMahan et al. 2017; FedProx: Li et al. 2020; "
-                        "SCAFFOLD: Karimireddy et al. 2020)", None, None,
+                        "SCAFFOLD: Karimireddy et al. 2020; FedNova: Wang et al. 2020)", None, None,
                         "digits and an MLP, not the papers' datasets and models")
 _NOT_THEIRS = "digits and an MLP, not the paper's datasets and models"
 _REDDI = rc.PaperClaim("", "Reddi et al. 2021: CIFAR-10/100, EMNIST, Shakespeare, Stack Overflow (no card in "
@@ -55,7 +55,7 @@ def settings_of(budget: str, preset: str) -> list[rc.Setting]:
     common = ["dataset=digits", "model=mlp", "num_clients=100", "clients_per_round=10", "eval_every=1",
               "train.epochs=1" if tiny else "train.epochs=5", "train.batch_size=10", "train.lr=0.05"]
     algs = {"fedavg": ["algorithm=fedavg"], "fedprox": ["algorithm=fedprox", "algorithm.mu=0.01"],
-            "scaffold": ["algorithm=scaffold"], "feddyn": ["algorithm=feddyn", "algorithm.alpha=0.01"],
+            "scaffold": ["algorithm=scaffold"], "fednova": ["algorithm=fednova"], "feddyn": ["algorithm=feddyn", "algorithm.alpha=0.01"],
             "moon": ["algorithm=moon", "algorithm.mu=1.0", "algorithm.temperature=0.5"],
             **{f"fed{o}": ["algorithm=fedavg", f"server_opt={o}", f"server_opt.lr={lr}"] for o, lr in SERVER_LR.items()}}
     out = []
@@ -78,16 +78,19 @@ def build(settings: list[rc.Setting], cells: dict[str, dict[int, rc.Run]], plots
             continue
         table, diffs = rc.main_table(s, cells, tags)
         verdicts += rc.verdict_rows(s, diffs, [*LABELS, *CATALOGUE])
-        sections.append(rc.setting_header(s) + "Rows:\n" + rc.rows_list(s, tags) + "\n" + table + "\n" + rc.plot_rows(
+        sections.append(rc.setting_header(s) + "Rows:\n" + rc.rows_list(s, tags) + "\n" + table + "\n"
+                        + rc.fednova_note(rc.setting_runs(s, cells)) + rc.plot_rows(
             s, cells, list(LABELS), plots, f"{DOC}_{s.name}{suffix}.png", f"{s.title}: test accuracy, mean and 95% band"))
         if any(rc.setting_runs(s, cells).get(a) for a in CATALOGUE):
             sections.append(rc.plot_rows(s, cells, ["fedavg", *CATALOGUE], plots, f"{DOC}_{s.name}_catalogue{suffix}.png",
                                          f"{s.title}: the catalogue against FedAvg, mean and 95% band"))
-    return ("# Baselines: FedAvg, FedProx, SCAFFOLD and the catalogue on digits\n\n"
+    return ("# Baselines: FedAvg, FedProx, SCAFFOLD, FedNova and the catalogue on digits\n\n"
             f"{rc.provenance(DOC, artefacts, cells, command)}\n\n"
             "Setting: scikit-learn digits (1,438 train / 359 test images), MLP 64-128-10, 100 clients, 10 sampled per "
             "round, 5 local epochs of batch 10, SGD lr 0.05; FedProx mu = 0.01; SCAFFOLD option II with "
-            "sample-weighted model deltas; FedAdam/FedYogi/FedAdagrad: FedAvg's clients with `server_opt` (tau 1e-3, "
+            "sample-weighted model deltas; FedNova: plain SGD, each client's update divided by its tau_i = 5 "
+            "ceil(n_i / 10) local steps before averaging (it differs from FedAvg only where the sampled clients' "
+            "tau_i differ); FedAdam/FedYogi/FedAdagrad: FedAvg's clients with `server_opt` (tau 1e-3, "
             f"betas 0.9/0.99, eta {SERVER_LR['adam']}/{SERVER_LR['yogi']}/{SERVER_LR['adagrad']}, picked on seeds "
             "100-101 that no table reports); FedDyn alpha = 0.01; MOON mu = 1, tau = 0.5 on the MLP's hidden "
             "layer (docs/algorithms/catalogue.md). "

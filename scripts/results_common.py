@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import gzip
 import io
 import json
@@ -467,10 +468,13 @@ class PaperClaim:
 MIN_SEEDS = 10  # rows a verdict rests on have at least this many paired seeds (README.md, "Verdicts")
 
 
-def verdict(claim: PaperClaim, ours: Interval | None, against: str | None = None) -> tuple[str, str]:
+def verdict(claim: PaperClaim, ours: Interval | None, against: str | None = None,
+            elsewhere: Iterable[str] = ()) -> tuple[str, str]:
     """(verdict, reason): direction only / not reproduced / untested / not comparable.
 
-    ``against``: what our paired difference is measured against (its null). Without a paper number the
+    ``against``: what our paired difference is measured against (its null); ``elsewhere``: the claim's other
+    baselines that have verdict rows of their own on >= MIN_SEEDS seeds (the reason names only the rest as
+    untested). Without a paper number the
     magnitude cannot be compared: the best a direction claim can get is 'direction only', when our paired
     interval over >= MIN_SEEDS seeds excludes 0 on the paper's side, against a comparison the paper makes."""
     if claim.direction is None:
@@ -482,7 +486,12 @@ def verdict(claim: PaperClaim, ours: Interval | None, against: str | None = None
     if ours is None or ours.n < MIN_SEEDS:
         return "untested", f"{0 if ours is None else ours.n} paired seeds; a verdict needs >= {MIN_SEEDS}"
     others = [b for b in claim.baselines if b != against]
-    only = f"; against {against} only: {', '.join(others)} untested" if others else ""
+    beside, untested = [b for b in others if b in set(elsewhere)], [b for b in others if b not in set(elsewhere)]
+    if beside:
+        only = f"; against {', '.join(beside)}: the rows beside it" + (f"; {', '.join(untested)} untested" if untested
+                                                                       else "")
+    else:
+        only = f"; against {against} only: {', '.join(others)} untested" if others else ""
     if ours.sign == claim.direction:
         return "direction only", "our interval excludes 0 on the paper's side" + (
             "; the paper's number is not in the specs, so the magnitude cannot be compared" if claim.number is None
@@ -499,11 +508,19 @@ def verdict(claim: PaperClaim, ours: Interval | None, against: str | None = None
 def verdict_table(rows: Sequence[tuple[PaperClaim, Interval | None, str] | tuple[PaperClaim, Interval | None, str, str]]
                   ) -> str:
     """One row per (claim, our paired difference, what 'ours' is measured against[, the 'ours' cell when the
-    interval is not a difference in points, e.g. a speedup's log ratio])."""
+    interval is not a difference in points, e.g. a speedup's log ratio]). Rows of one claim (same paper
+    setting and baselines) against different baselines name each other instead of calling them untested."""
+    def key(c: PaperClaim) -> tuple[str, str, tuple[str, ...]]:
+        return c.paper_setting, c.differences, c.baselines
+
+    tested: dict[tuple[str, str, tuple[str, ...]], set[str]] = {}
+    for claim, ours, against, *_ in rows:
+        if ours is not None and ours.n >= MIN_SEEDS:
+            tested.setdefault(key(claim), set()).add(against)
     lines = ["| algorithm | paper (closest setting) | paper's number | ours (paired, 95% CI) | seeds | null (0 = equal to) |"
              " differences in setting | verdict | reason |", "|---|---|---|---|---|---|---|---|---|"]
     for claim, ours, against, *text in rows:
-        v, why = verdict(claim, ours, against)
+        v, why = verdict(claim, ours, against, tested.get(key(claim), set()) - {against})
         ours_cell = text[0] if text else fmt_diff(ours) if ours is not None and ours.n else "none (the baseline row)"
         number = claim.number if claim.number is not None else "not in the specs"
         src = f" ({claim.source})" if claim.source else ""
@@ -695,6 +712,25 @@ def main_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str]
     return md_table(header, rows), diffs
 
 
+def fednova_note(runs: dict[str, dict[int, Run]]) -> str:
+    """What FedNova's row means in a setting, from its runs' logged tau_eff (the effective step count of each
+    round): with one value in every round every sampled client took the same number of local steps, and FedNova's
+    normalised average is FedAvg's (docs/algorithms/fednova.md), so its row is FedAvg up to float rounding."""
+    nova, avg = runs.get("fednova"), runs.get("fedavg")
+    if not nova or not avg:
+        return ""
+    taus = {row["tau_eff"] for run in nova.values() for row in run["rows"] if row.get("tau_eff") is not None}
+    if len(taus) != 1:
+        return (f"FedNova: the sampled clients' step counts differ (tau_eff {min(taus):.3g}-{max(taus):.3g} over the "
+                "rounds), so its normalised average differs from FedAvg's.\n\n") if taus else ""
+    a, b = accuracies(nova), accuracies(avg)
+    gap = max(abs(a[k] - b[k]) for k in set(a) & set(b))
+    return (f"FedNova: every sampled client took {next(iter(taus)):g} local steps in every round (tau_eff), so its "
+            "normalised average is FedAvg's (tau_eff sum_i p_i Delta_i / tau_i = sum_i p_i Delta_i): its row is FedAvg "
+            f"up to float rounding (largest per-seed difference {100 * gap:.2f} points), not a separate baseline "
+            "here.\n\n")
+
+
 def last_wins(overrides: Sequence[str]) -> list[str]:
     """``overrides`` as Hydra applies them: of several ``key=value`` for one key only the last counts."""
     last = {o.split("=", 1)[0]: i for i, o in enumerate(overrides)}
@@ -815,6 +851,9 @@ def cli(doc: str, argv: list[str] | None, description: str,
     ap.add_argument("--plan", action="store_true", help="list the runs still missing and check the data; run nothing")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--max-priority", type=int, default=99, help="run only rows up to this priority")
+    ap.add_argument("--only", nargs="+", default=None, metavar="PATTERN",
+                    help="run only the missing runs whose <setting>/<row>/s<seed> matches one of these shell "
+                         "patterns (e.g. 'femnist/fednova/*'); the document is still built from every artefact")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
     ap.add_argument("--commit", default="HEAD", help="code to run: a git revision (snapshot) or 'worktree'")
@@ -826,7 +865,8 @@ def cli(doc: str, argv: list[str] | None, description: str,
     artefacts = Path(args.artefacts) if args.artefacts else DATA / f"{doc}{suffix}"
     settings = settings_of(args.budget, args.preset)
     if not args.from_artefacts:
-        todo = [j for j in setting_jobs(settings, args.max_priority) if not (artefacts / j.name / "run.json").exists()]
+        todo = [j for j in setting_jobs(settings, args.max_priority) if not (artefacts / j.name / "run.json").exists()
+                and (args.only is None or any(fnmatch.fnmatchcase(j.name, p) for p in args.only))]
         need: dict[str, int] = {}
         for s in settings:
             need[s.dataset()] = max(need.get(s.dataset(), 0), s.num_clients())

@@ -374,3 +374,40 @@ def test_preset_composes_and_lists_its_differences_from_its_card(preset):
     assert head in readme, f"docs/results/README.md has no section {head.strip()}"
     section = readme.split(head, 1)[1].split("\n\n", 1)[0]
     assert section.splitlines() == [f"- {x}" for x in items]
+
+
+def test_verdict_rows_of_one_claim_name_each_others_rows():
+    """FedImpro's claim (above FedAvg, FedProx, SCAFFOLD, FedNova) with its own row per baseline: each row
+    names the baselines with rows beside it and calls only the ones without (or under 10 seeds) untested."""
+    claim = rc.PaperClaim("X", "setting", None, 1, "", baselines=("FedAvg", "FedProx", "SCAFFOLD", "FedNova"))
+    nine = rc.interval([0.02 + 0.001 * i for i in range(9)])
+    table = rc.verdict_table([(claim, _ten(0.02), "FedAvg"), (replace(claim, algorithm="X vs FedProx"), _ten(0.02),
+                                                               "FedProx"),
+                              (replace(claim, algorithm="X vs SCAFFOLD"), nine, "SCAFFOLD")])
+    first, second, third = (line for line in table.splitlines()[2:])
+    assert first.endswith("against FedProx: the rows beside it; SCAFFOLD, FedNova untested |")
+    assert second.endswith("against FedAvg: the rows beside it; SCAFFOLD, FedNova untested |")
+    assert "**untested** | 9 paired seeds" in third
+    other = rc.PaperClaim("Y", "another setting", None, 1, "", baselines=claim.baselines)  # another claim: not beside
+    assert rc.verdict_table([(claim, _ten(0.02), "FedAvg"), (other, _ten(0.02), "FedProx")]).splitlines()[2].endswith(
+        "against FedAvg only: FedProx, SCAFFOLD, FedNova untested |")
+
+
+def test_only_selects_the_missing_runs_matching_a_pattern(tmp_path, capsys):
+    base = importlib.import_module("results_baselines")
+    assert base.main(["--plan", "--only", "shards/fednova/*", "dirichlet/fedavg/s3", "--artefacts",
+                      str(tmp_path / "art")]) == 0
+    names = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if ": python -m" in line]
+    assert names == ["dirichlet/fedavg/s3", *(f"shards/fednova/s{k}" for k in range(10))]
+
+
+def test_fednova_note_follows_the_logged_step_counts():
+    """FedNova's row is called FedAvg only when every round's tau_eff is one value (equal local steps)."""
+    def cell(taus, accs):
+        return {k: {"name": f"s{k}", "rows": [{"round": 1, "tau_eff": t, "test_accuracy": a}]}
+                for k, (t, a) in enumerate(zip(taus, accs))}
+    avg = cell([None, None], [0.5, 0.6])
+    assert "is FedAvg up to float rounding (largest per-seed difference 0.00 points)" in rc.fednova_note(
+        {"fedavg": avg, "fednova": cell([10.0, 10.0], [0.5, 0.6])})
+    assert "differ (tau_eff 8-12" in rc.fednova_note({"fedavg": avg, "fednova": cell([8.0, 12.0], [0.5, 0.6])})
+    assert rc.fednova_note({"fedavg": avg}) == ""
