@@ -6,6 +6,7 @@ an algorithm is written once against them (DESIGN.md section 9).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -156,11 +157,7 @@ def as_config(value: Any) -> dict[str, Any]:
         return {}
     if is_dataclass(value):
         return asdict(value)
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(value, DictConfig):
-            return OmegaConf.to_container(value, resolve=True)  # type: ignore[return-value]
-    except ImportError:  # pragma: no cover
-        pass
+    omegaconf = sys.modules.get("omegaconf")  # no DictConfig exists before omegaconf is imported (and a
+    if omegaconf is not None and isinstance(value, omegaconf.DictConfig):  # ClientApp need not pay 0.3 s for it)
+        return omegaconf.OmegaConf.to_container(value, resolve=True)  # type: ignore[return-value]
     return dict(value)
