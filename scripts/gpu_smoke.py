@@ -23,8 +23,9 @@ distinct GPU ids, the driver's evaluation on a GPU, equal to inline within GPU f
 share, CNN); ``vmap-batchnorm`` (ResNet-18 with BatchNorm trained as a vmapped cohort on CUDA,
 the cohort path really taken, equal to one-by-one training within tolerance); ``scaffold-
 distributed-state``; ``deterministic`` (``engine.deterministic=true`` on Ray: two runs
-bit-identical); ``checkpoint-resume`` (SCAFFOLD with disk state on Ray, deterministic: a run
-checkpointed after round 2 and resumed to round 3 is bit-identical to the run of 3 rounds);
+bit-identical); ``checkpoint-resume`` (SCAFFOLD with disk state on Ray, deterministic,
+checkpointed every round: a run interrupted after round 2 and resumed ends bit-identical to the
+uninterrupted run of 3 rounds);
 ``time-budget`` (all of it within 5 minutes).
 
 ``--cpu-dry-run`` runs the same code on this CPU, so that the script is known to work before a GPU
