@@ -17,7 +17,6 @@ import contextlib
 import logging
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,20 +68,6 @@ def check_gpu_device(device: str) -> None:
         f"engine.device={device}; set engine.device=cpu to train on the CPUs instead")
 
 
-@dataclass
-class RoundCall:
-    """One worker's share of a round, sent (packed) as its call's one argument besides object
-    references: each separate argument of a Ray call costs the driver tens of microseconds to submit,
-    a few percent of a small round (scripts/bench/call_args.py, docs/benchmarks.md)."""
-
-    ctx: RoundContext
-    client_ids: list[int]
-    broadcast: Broadcast | None  # None: too large to travel in every call, it comes as a reference
-    expect: dict[int, int] | None = None  # the manifest's rounds of these clients (stateful runs)
-    homes: int = 0  # > 0: lent clients' new states go back apart, one object per home worker
-    split: bool = False  # the partial aggregate apart, to the reduction tree
-
-
 class RayWorker(Worker):
     """The actor class: every result that carries tensors leaves as a Packed message."""
 
@@ -122,21 +107,25 @@ class RayWorker(Worker):
     def name(self) -> str:
         return f"worker {self.worker_id} on node {node_id()[:12]}"
 
-    def run_round_parts(self, call: RoundCall, *refs: Any) -> Packed | tuple[Packed, ...]:
-        """``run_round``, returned as separate objects: the result; with ``call.split``, its partial
-        aggregate apart (it goes to the worker that reduces it, not to the driver); with
-        ``call.homes`` > 0, the new states of lent clients for each home worker (each home fetches
-        only its own). ``refs``, resolved by Ray: the broadcast first when it did not travel inside
-        the call, then the states lent to this worker by their homes."""
-        broadcast, foreign = (call.broadcast, refs) if call.broadcast is not None else (refs[0], refs[1:])
-        result = self.run_round(call.ctx, broadcast, call.client_ids, *foreign, expect=call.expect)
+    def run_round_parts(self, ctx: RoundContext, client_ids: list[int], broadcast: Broadcast | None,
+                        expect: dict[int, int] | None, homes: int, split: bool,
+                        *refs: Any) -> Packed | tuple[Packed, ...]:
+        """``run_round``, returned as separate objects: the result; with ``split``, its partial
+        aggregate apart (it goes to the worker that reduces it, not to the driver); with ``homes`` > 0
+        (the number of workers, when lent clients' states go back to their homes), the new states of
+        lent clients for each home worker (each home fetches only its own). ``broadcast``: None when
+        it is too large to travel in every call; then it comes first in ``refs``, which Ray resolves,
+        followed by the states lent to this worker by their homes. ``expect``: the manifest's rounds
+        of these clients (stateful runs)."""
+        broadcast, foreign = (broadcast, refs) if broadcast is not None else (refs[0], refs[1:])
+        result = self.run_round(ctx, broadcast, client_ids, *foreign, expect=expect)
         out = [Packed(result)]
-        if call.split:
+        if split:
             out.append(Packed(result.aggregate, views=True))
             result.aggregate = Aggregate()
-        parts: list[dict[int, State]] = [{} for _ in range(call.homes)]
+        parts: list[dict[int, State]] = [{} for _ in range(homes)]
         for cid, state in result.outbox.items():
-            parts[home_worker(cid, call.homes)][cid] = state
+            parts[home_worker(cid, homes)][cid] = state
         result.outbox = {}
         out += [Packed(part) for part in parts]
         return tuple(out) if len(out) > 1 else out[0]

@@ -45,7 +45,7 @@ import torch
 
 from fl_platform.core import Aggregate, Broadcast, RoundContext
 from fl_platform.engine.faults import Faults
-from fl_platform.engine.ray_actors import START_TIMEOUT_S, ActorPool, RoundCall, hold_eval_gpu
+from fl_platform.engine.ray_actors import START_TIMEOUT_S, ActorPool, hold_eval_gpu
 from fl_platform.engine.ray_cluster import connect
 from fl_platform.engine.ray_placement import (
     GpuGroup,
@@ -350,15 +350,15 @@ class RayEngine(Engine):
         # Every export is queued before any round task, so no actor's round waits on another's.
         lent = {w: lending.exports(self.pool, w) for w in todo} if lending is not None else {}
         shared = () if bc_ref is None else (bc_ref,)
+        packed = Packed(broadcast) if bc_ref is None else None  # (RayWorker.run_round_parts' arguments)
         for w in todo:
-            call = Packed(RoundCall(ctx, assignment[w], broadcast if bc_ref is None else None, expect[w],
-                                    self.num_workers if lending is not None else 0, self.tree))
+            args = (ctx, assignment[w], packed, expect[w], self.num_workers if lending is not None else 0, self.tree)
             if lending is not None:
-                refs[w], partials[w] = lending.submit(self.pool, w, call, *shared, *lent[w], split=self.tree)
+                refs[w], partials[w] = lending.submit(self.pool, w, args, *shared, *lent[w], split=self.tree)
             elif self.tree:
-                refs[w], partials[w] = self.pool[w].run_round_parts.options(num_returns=2).remote(call, *shared)
+                refs[w], partials[w] = self.pool[w].run_round_parts.options(num_returns=2).remote(*args, *shared)
             else:
-                refs[w] = self.pool[w].run_round_parts.remote(call, *shared)
+                refs[w] = self.pool[w].run_round_parts.remote(*args, *shared)
         return refs
 
     def _collect(self, refs: dict[int, Any], results: list, arrived: list[float], t_submit: float) -> set[int]:

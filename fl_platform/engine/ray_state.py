@@ -27,12 +27,12 @@ class Lending:
         return [actors[h].export_states_packed.remote(self.needs[h][trainer])
                 for h in range(self.num_workers) if self.needs[h][trainer]]
 
-    def submit(self, actors: Any, trainer: int, call: Any, *refs: Any, split: bool = False) -> Any:
-        """Start ``trainer``'s round (``call``: its packed ``RoundCall``, ``homes`` set; ``refs``: the
-        broadcast's when it travels apart, then the borrowed states); returns the references to its
-        result and, with ``split``, to its partial aggregate."""
+    def submit(self, actors: Any, trainer: int, args: tuple, *refs: Any, split: bool = False) -> Any:
+        """Start ``trainer``'s round (``args``: ``RayWorker.run_round_parts``' arguments, ``homes`` set;
+        ``refs``: the broadcast's when it travels apart, then the borrowed states); returns the
+        references to its result and, with ``split``, to its partial aggregate."""
         extra = 1 if split else 0
-        out = actors[trainer].run_round_parts.options(num_returns=1 + extra + self.num_workers).remote(call, *refs)
+        out = actors[trainer].run_round_parts.options(num_returns=1 + extra + self.num_workers).remote(*args, *refs)
         self.parts[trainer] = list(out[1 + extra:])
         return out[0], (out[1] if split else None)
 

@@ -6,9 +6,11 @@ Two actors that do no work (1 CPU each) receive a round's call, in one process a
 the shapes interleaved block by block so that the host's noise falls on all of them alike:
 
 * ``4 args``: the round context, the packed broadcast (9,610 parameters), the clients and the
-  manifest's rounds as four arguments (the engine's call until 56a524c);
+  manifest's rounds as four arguments (the engine's call until 56a524c, and again since issue 25 item 9
+  with two more small ones: the number of homes and the split flag);
 * ``2 args``: the packed broadcast and the rest packed apart;
-* ``1 packed``: everything in one packed ``RoundCall`` (the engine's call since 4c7d283).
+* ``1 packed``: everything packed as one argument (the engine's call from 4c7d283, a packed
+  ``RoundCall``, until issue 25 item 9 went back to plain arguments: docs/benchmarks.md).
 
 Prints, per shape, the median time of a call pair (submit and wait) over the blocks with their range,
 and the median time to submit a pair alone.
@@ -29,7 +31,6 @@ import ray
 import torch
 
 from fl_platform.core import Broadcast, RoundContext
-from fl_platform.engine.ray_actors import RoundCall
 from fl_platform.engine.transport import Packed
 
 
@@ -61,7 +62,7 @@ def main() -> None:
             return [w.call.remote(packed, Packed((ctx, ids, None))) for w in actors]
 
         def one() -> list:
-            return [w.call.remote(Packed(RoundCall(ctx, ids, bc))) for w in actors]
+            return [w.call.remote(Packed((ctx, ids, bc))) for w in actors]
 
         shapes = {"4 args": four, "2 args": two, "1 packed": one}
         pair_ms: dict[str, list[float]] = {name: [] for name in shapes}
