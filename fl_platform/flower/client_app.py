@@ -9,8 +9,9 @@ the ones the simulator uses), ``num-partitions`` must match the run's ``num_clie
 ``data-root`` is where the dataset files are. With ``data-mode="partition"`` (the default) the
 node loads the run's dataset and keeps its own partition, computed by our partitioners from the
 run's seed; with ``data-mode="local"`` the whole dataset under ``data-root`` (in one of our
-formats) is this client's data. Optional: ``device`` (overrides ``deploy.device``) and
-``threads`` (torch intra-op threads).
+formats) is this client's data. Optional: ``device`` (overrides ``deploy.device``),
+``threads`` (torch intra-op threads), ``cache-dir`` and ``cache-entries`` (the node cache's folder
+and size; 0: off).
 
 The client's persistent state (SCAFFOLD's control variate, a compressor's error-feedback
 residual) lives in ``context.state``; Flower keeps it on the SuperNode between rounds. A
@@ -136,7 +137,7 @@ class ClientRuntime:
     codec: PayloadCodec | None  # puts the compressor's payload bytes on the wire
     state_specs: dict[str, StateSpec]  # the algorithm's per-client state plus the compressor's (ef.*)
     privacy: ClientPrivacy | None = None  # client-level DP: clips (local DP: noises) before compression
-    cache: str = "off"  # how its set-up was had: hit, miss, stale, corrupt or off (node_cache.py)
+    cache: str = "off"  # how its set-up was had: hit, miss, stale, corrupt, off (node_cache.py) or memory
 
     @property
     def client_id(self) -> int:
@@ -283,6 +284,8 @@ def runtime_for(context: Context) -> ClientRuntime:
         _RUNTIMES[key] = runtime
         while len(_RUNTIMES) > _MAX_RUNTIMES:
             _RUNTIMES.popitem(last=False)
+    else:
+        runtime.cache = "memory"  # this process built it for an earlier message
     _RUNTIMES.move_to_end(key)
     return runtime
 
@@ -376,9 +379,10 @@ def train_client(msg: Message, context: Context) -> Message:
               "train": t4 - t3, "codec_out": t5 - t4, "train_cpu": c4 - c3}
     timing["ours"] = module[0] + our_imports + (t3 - t1) + (t5 - t4)
     timing["ours_cpu"] = module[1] + our_imports_cpu + (c3 - c1) + (c5 - c4)
-    log.info("timing %s", json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in timing.items()}))
-    if first:
-        rt.cache = "memory"  # later messages in this process reuse the runtime (runtime_for)
+    # INFO once per process (a deployed ClientApp's every message); DEBUG for the later messages of an
+    # in-process run (fl_platform/flower/local.py), which would otherwise print a line per client and round
+    log.log(logging.INFO if first else logging.DEBUG, "timing %s",
+            json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in timing.items()}))
     return reply
 
 
