@@ -34,8 +34,9 @@ class AlgorithmConf:
     def inactive_fields(self, run: Any) -> dict[str, str]:
         """Fields of this schema that have no effect in this run, each with the reason.
 
-        ``run`` is the whole run config (its ``train``, ``compressor``, ``system``, ``rounds``...).
-        ``experiment.validate`` refuses any of these set to a value other than the schema's
+        ``run`` is the whole run config, typed (``fl_platform.run_config.RunConfig``: ``run.train``,
+        ``run.rounds``, ``run.get("system")``; a section the run lacks is None).
+        ``config_checks.check_effective`` refuses any of these set to a value other than the schema's
         default, so that no accepted key is silently ignored (e.g. a weight used only under
         another schedule). The default: every field always acts.
         """
@@ -50,7 +51,7 @@ class ServerStepConf(AlgorithmConf):
 
     def inactive_fields(self, run: Any) -> dict[str, str]:
         """``server_lr`` is the server step's own rate: an adaptive ``server_opt`` steps by ``server_opt.lr``."""
-        opt = run.get("server_opt") if hasattr(run, "get") else None
+        opt = run.get("server_opt")
         if opt is not None and opt.name != "none":
             return {"server_lr": f"server_opt={opt.name} replaces the server step (its rate is server_opt.lr)"}
         return {}

@@ -31,7 +31,7 @@ class DittoConf(FedAvgConf):
 
     def inactive_fields(self, run: Any) -> dict[str, str]:
         out = super().inactive_fields(run)
-        ev = run.get("eval") if hasattr(run, "get") else None
+        ev = run.get("eval")
         if ev is None or str(getattr(ev.clients, "value", ev.clients)) == "none":
             out["lam"] = ("it shapes only the personal models, which only per-client evaluation reads, and "
                           "eval.clients=none (set eval.clients=all or sample)")

@@ -79,7 +79,8 @@ def run(overrides: Sequence[str] = (), *, model: Any = None, data: Any = None, p
 
 
 def run_config(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Result:
-    """Run a composed config (what the CLI calls after Hydra composed it)."""
+    """Run a composed config (what the CLI calls after Hydra composed it); ``execute`` reads it at the door
+    (fl_platform/run_config.py) and checks it (fl_platform/config_checks.py)."""
     from fl_platform.experiment import execute
 
     outcome = execute(cfg, run_dir)

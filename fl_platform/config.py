@@ -8,8 +8,8 @@ and the expected type, and an unknown option lists the valid ones.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, fields, is_dataclass
-from enum import Enum, StrEnum
+from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -241,7 +241,7 @@ class CustomModelConf(ModelConf):
 class PluginAlgorithmConf(AlgorithmConf):
     """An algorithm from the user's module that is not installed as a plug-in:
     ``algorithm=plugin algorithm._target_=mypkg.alg:SPEC +algorithm.<field>=...``; the fields are
-    the SPEC's conf dataclass's, checked against it at start-up (experiment.algorithm_conf)."""
+    the SPEC's conf dataclass's, checked against it at start-up (run_config.RunConfig.algorithm_conf)."""
 
     name: str = PLUGIN
     _target_: str = MISSING
@@ -391,16 +391,6 @@ OPEN_OPTIONS: dict[str, dict[str, type]] = {
 }
 
 
-def user_fields(group: str, node: Any) -> dict[str, Any]:
-    """The fields of section ``group`` that are the user's (not its open option's schema's); {} when its
-    option is not open."""
-    schema = OPEN_OPTIONS.get(group, {}).get(str(node.get("name") if hasattr(node, "get") else None))
-    if schema is None:
-        return {}
-    own = {f.name for f in fields(schema)}
-    return {k: v for k, v in options_of(node, exclude=()).items() if k not in own}
-
-
 def run_dir_for(resume: str, checkpoint_every: Any, stamped: str, stable: str) -> str:
     """Hydra's run dir: ``resume=<dir>`` reuses that dir; with checkpoints on, a dir derived from the
     command-line overrides, so rerunning the same command finds its checkpoint; else time-stamped."""
@@ -408,29 +398,6 @@ def run_dir_for(resume: str, checkpoint_every: Any, stamped: str, stable: str) -
     if resume not in ("auto", "never"):
         return resume
     return stable if int(checkpoint_every) > 0 else stamped
-
-
-def unknown_keys(node: Any, prefix: str = "") -> list[str]:
-    """Dotted keys of ``node`` (a composed config) that its schema dataclasses do not declare.
-
-    Hydra refuses a new key unless it is added with ``+`` (``+algorithm.mux=1``), and merging onto a
-    schema keeps an added key without complaint: this finds them, so that such a key is refused
-    rather than ignored. The user's own fields in an open option (``model=custom``, ...) are left to
-    the plug-in checks (experiment.check_plugins)."""
-    from omegaconf import DictConfig, OmegaConf
-
-    if not isinstance(node, DictConfig):
-        return []
-    schema = OmegaConf.get_type(node)
-    group = prefix.rstrip(".")
-    if group in OPEN_OPTIONS and str(node.get("name")) in OPEN_OPTIONS[group]:
-        schema = None  # the platform's own fields of an open option are typed; the rest is the user's
-    declared = {f.name for f in fields(schema)} if schema is not None and is_dataclass(schema) else None
-    out = [f"{prefix}{k}" for k in node if declared is not None and k not in declared]
-    for key in node:
-        if declared is None or key in declared:
-            out += unknown_keys(node._get_node(key), f"{prefix}{key}.")
-    return out
 
 
 def register_resolvers() -> None:
@@ -523,9 +490,11 @@ def compose(overrides: Any = (), conf_dir: Any = None) -> Any:
         GlobalHydra.instance().clear()
 
 
-def options_of(node: Any, exclude: tuple[str, ...] = ("name",)) -> dict[str, Any]:
-    """The fields of a group node except ``exclude``, as plain Python values."""
-    from omegaconf import DictConfig, OmegaConf
+def __getattr__(name: str) -> Any:
+    """``options_of`` moved to the door (fl_platform/run_config.py); this keeps ``from fl_platform.config
+    import options_of`` working for the code that still reads a composed DictConfig (flower/client_app.py)."""
+    if name == "options_of":
+        from fl_platform.run_config import options_of
 
-    data = OmegaConf.to_container(node, resolve=True, enum_to_str=True) if isinstance(node, DictConfig) else dict(vars(node))
-    return {k: (v.value if isinstance(v, Enum) else v) for k, v in data.items() if k not in exclude}
+        return options_of
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

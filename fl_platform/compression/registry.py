@@ -153,7 +153,10 @@ def _as_dict(conf: Any) -> dict[str, Any]:
 
 
 def conf_of(conf: Any) -> CompressorConf:
-    """A validated schema instance from a dataclass / OmegaConf node / dict (names unknown keys)."""
+    """A validated schema instance from a dataclass / OmegaConf node / dict (names unknown keys); the typed
+    run config's section (run_config.py) as it is."""
+    if isinstance(conf, CompressorConf) and type(conf) is COMPRESSORS.get(conf.name, (None,))[0]:
+        return conf
     data = _as_dict(conf)
     name = data.get("name", "none")
     if name not in COMPRESSORS:

@@ -26,7 +26,6 @@ from typing import Any
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
-from omegaconf import DictConfig, OmegaConf
 
 from fl_platform.algorithms.registry import get_algorithm
 from fl_platform.compression.uplink import contribution_sizes, make_uplink
@@ -40,17 +39,18 @@ from fl_platform.reporting import Reporter
 from fl_platform.rounds.checkpoint import Checkpoint
 from fl_platform.rounds.setup import resolve_device
 from fl_platform.rounds.simulation import LoopConfig, Simulation
+from fl_platform.run_config import RunConfig, read_config
 from fl_platform.seeding import Stream, seed_torch_global
 from fl_platform.training.flat import FlatModel
 
 log = logging.getLogger("fl_platform")
 
 
-def default_run_dir(cfg: DictConfig, run_id: int, run_config: Mapping[str, Any] | None = None) -> Path:
+def default_run_dir(cfg: RunConfig, run_id: int, run_config: Mapping[str, Any] | None = None) -> Path:
     """Time-stamped; with checkpoints on, one derived from the run config (what changes results), so the
     same ``flwr run`` finds its checkpoint; ``resume=<dir>``: that dir (the simulator's rule, run_dir_for)."""
     from fl_platform.config import run_dir_for
-    from fl_platform.experiment import RESUME_FREE_KEYS
+    from fl_platform.config_checks import RESUME_FREE_KEYS
 
     now = datetime.now()
     name = f"{cfg.algorithm.name}_{cfg.dataset.name}_s{cfg.seed}"
@@ -94,29 +94,28 @@ def _log_to(path: Path) -> logging.Handler:
 def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
                run_dir: Path | str | None = None) -> dict[str, Any]:
     """Run the experiment described by ``run_config`` over ``grid``; returns the summary."""
-    from fl_platform.experiment import algorithm_name, load_data, make_setup, open_checkpoint, validate
+    from fl_platform.config_checks import check_flower_server, check_run
+    from fl_platform.experiment import load_data, make_setup, open_checkpoint
 
     t0 = time.perf_counter()
-    cfg, deploy = from_run_config(run_config)
-    validate(cfg)
-    if cfg.early_stop.patience or cfg.callbacks:  # (fl_platform/rounds/callbacks.py: the simulator's)
-        raise ValueError("early_stop.patience and callbacks are not implemented for Flower deployments: the "
-                         "validation split would have to be cut on every node; use them with engine=inline|ray "
-                         "or fl_platform.api.run")
+    composed, deploy = from_run_config(run_config)
+    cfg = read_config(composed)  # the door: everything below reads the typed run config
+    check_run(cfg)
+    check_flower_server(cfg)
     rd = RunDir(run_dir or deploy.run_dir or default_run_dir(cfg, run_id, run_config))
     checkpointer, ckpt = open_checkpoint(cfg, rd)  # (before config.yaml is rewritten: it is compared)
     handler = _log_to(rd.path / "server.log")
-    reporter = Reporter(cfg.rounds, start_round=ckpt.round if ckpt is not None else 0, progress=False, wandb=cfg.logger.wandb, wandb_project=cfg.logger.wandb_project,
-                        wandb_mode=cfg.logger.wandb_mode, run_dir=str(rd.path),
-                        config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
-                        log_every=cfg.logger.log_every)
+    lg = cfg.logger
+    reporter = Reporter(cfg.rounds, start_round=ckpt.round if ckpt is not None else 0, progress=False,
+                        wandb=lg.wandb, wandb_project=lg.wandb_project, wandb_mode=lg.wandb_mode,
+                        run_dir=str(rd.path), config=cfg.to_container(), log_every=lg.log_every)
     summary: dict[str, Any] = {}
     try:
         log.info("Flower run %d: %s on %s, %d clients, results in %s", run_id, cfg.algorithm.name,
                  cfg.dataset.name, cfg.num_clients, rd.path)
         data = load_data(cfg)
         setup = make_setup(cfg, data)
-        atomic_write_text(rd.config, OmegaConf.to_yaml(cfg, resolve=True))
+        atomic_write_text(rd.config, cfg.to_yaml())
         atomic_write_text(rd.path / "run_config.toml", to_toml(dict(run_config)))
         data.partition.save(rd.partition)
         device = resolve_device(deploy.device)
@@ -131,7 +130,7 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
         sizes = contribution_sizes(client_half, eval_model)
         if ckpt is not None:
             refuse_lost_node_state(ckpt, {**client_half.state_spec(), **(uplink.state_spec() if uplink else {})},
-                                   algorithm_name(cfg))
+                                   cfg.algorithm_name)
         # Under DP the noise comes from this server's OS CSPRNG and the cohorts from a secret of its own: every
         # client is sent the seed, from which both could otherwise be computed.
         sampling_seed = secret_sampling_seed(setup.privacy)
@@ -157,7 +156,7 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
         summary = sim.run()
         summary.update({
             "setup_time_s": setup_s,
-            "algorithm": algorithm_name(cfg), "dataset": cfg.dataset.name, "model": cfg.model.name,
+            "algorithm": cfg.algorithm_name, "dataset": cfg.dataset.name, "model": cfg.model.name,
             "partition": cfg.partition.name, "seed": cfg.seed, "num_clients": cfg.num_clients,
             "clients_per_round": cfg.clients_per_round, "engine": "flower", "flower_run_id": run_id,
             "nodes": {str(c): n for c, n in sorted(strategy.node_of.items())},

@@ -9,10 +9,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fl_platform.privacy.config import PrivacyConf, check_values, privacy_conf
 from fl_platform.privacy.spec import PrivacyUnsupported, PrivateUploads
+
+if TYPE_CHECKING:
+    from fl_platform.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -31,43 +34,43 @@ def private_uploads_of(spec: Any, alg_conf: Any, mode: str = "central") -> Priva
         raise PrivacyUnsupported(f"algorithm={name} is refused under privacy={mode}: {err}") from None
 
 
-def check_privacy(cfg: Any, spec: Any, alg_conf: Any) -> PrivacyConf:
+def check_privacy(run: RunConfig, spec: Any, alg_conf: Any) -> PrivacyConf:
     """The run's PrivacyConf, or ValueError naming the key (``privacy.*`` or ``algorithm``)."""
-    conf = privacy_conf(cfg.get("privacy"))
-    check_values(conf, int(cfg.num_clients), int(cfg.clients_per_round))
+    conf = privacy_conf(run.get("privacy"))
+    check_values(conf, run.num_clients, run.clients_per_round)
     if conf.name == "none":
         return conf
     # dp-accounting imports SciPy (about 1 s and 60 MB): only for runs with privacy.
     from fl_platform.privacy.accounting import check_covered
 
     private_uploads_of(spec, alg_conf, conf.name)
-    n = int(cfg.num_clients)
+    n = run.num_clients
     if conf.delta > n ** -1.1:
         log.warning("privacy.delta=%g is above num_clients^-1.1 = %.3g: a mechanism that releases a few clients' "
                     "data outright meets a delta near 1/num_clients; prefer delta well below (e.g. %.1g)",
                     conf.delta, n ** -1.1, 10 ** math.floor(math.log10(n ** -1.1)))
-    check_covered(conf.name, conf.accountant, conf.sampling, int(cfg.num_clients), int(cfg.clients_per_round))
+    check_covered(conf.name, conf.accountant, conf.sampling, run.num_clients, run.clients_per_round)
     return conf
 
 
-def resolved_privacy(cfg: Any) -> PrivacyConf:
+def resolved_privacy(run: RunConfig) -> PrivacyConf:
     """The run's PrivacyConf with ``noise_multiplier=null`` replaced by the smallest z that meets
     ``target_epsilon`` after ``rounds`` rounds, checked again with that z.
 
     Every party takes its z from here (``make_setup``: the simulator's driver and workers, each Flower
     ClientApp and the ServerApp), so a client's local noise and adaptive clipping's count noise never
     see an unresolved null: they used to read it as 0, i.e. no noise, while the server accounted for z."""
-    conf = privacy_conf(cfg.get("privacy"))
+    conf = privacy_conf(run.get("privacy"))
     if conf.name == "none" or conf.noise_multiplier is not None:
         return conf
     from fl_platform.privacy.accounting import noise_multiplier_for
 
-    num_clients, clients_per_round = int(cfg.num_clients), int(cfg.clients_per_round)
-    z = noise_multiplier_for(conf.target_epsilon, conf.delta, int(cfg.rounds), num_clients=num_clients,
+    num_clients, clients_per_round = run.num_clients, run.clients_per_round
+    z = noise_multiplier_for(conf.target_epsilon, conf.delta, run.rounds, num_clients=num_clients,
                              clients_per_round=clients_per_round, sampling=conf.sampling,
-                             accountant=conf.accountant, mode=conf.name, seed=int(cfg.seed))
+                             accountant=conf.accountant, mode=conf.name, seed=run.seed)
     log.info("privacy: noise multiplier %.4f meets epsilon %g at delta %g after %d rounds", z,
-             conf.target_epsilon, conf.delta, int(cfg.rounds))
+             conf.target_epsilon, conf.delta, run.rounds)
     conf = dataclasses.replace(conf, noise_multiplier=z)
     check_values(conf, num_clients, clients_per_round)
     return conf

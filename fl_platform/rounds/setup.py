@@ -10,7 +10,7 @@ the plug-in as the driver did.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,6 +20,11 @@ from fl_platform.datasets.federated import FederatedDataset
 from fl_platform.models import build_model
 from fl_platform.plugins import ImportRoots
 from fl_platform.training.loop import TrainConfig
+
+if TYPE_CHECKING:
+    from fl_platform.algorithms.server_opt import ServerOptConf
+    from fl_platform.privacy.config import PrivacyConf
+    from fl_platform.system.model import SystemModel
 
 
 def resolve_device(device: str) -> torch.device:
@@ -63,9 +68,9 @@ class ExperimentSetup:
     extra: dict[str, Any] = field(default_factory=dict)
     cohort_size: int | str = 1  # clients a worker trains at once (vectorised), or "auto"
     compressor: dict[str, Any] | None = None  # the compressor group (None / name none: uplinks dense)
-    system: Any = None  # fl_platform.system.SystemModel, or None: no simulated time
-    privacy: Any = None  # fl_platform.privacy.config.PrivacyConf (None / name none: no clipping or noise)
-    server_opt: Any = None  # algorithms/server_opt.ServerOptConf (None / name none: the algorithm's own server step)
+    system: SystemModel | None = None  # None: no simulated time
+    privacy: PrivacyConf | None = None  # None / name none: no clipping or noise
+    server_opt: ServerOptConf | None = None  # None / name none: the algorithm's own server step
     import_roots: tuple[str, ...] = ()  # where the user's code in this setup was imported from (plugins.py)
     finetune_steps: int = 0  # eval.finetune_steps: local steps before a client's evaluation (client_eval.py)
 

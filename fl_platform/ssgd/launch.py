@@ -40,7 +40,6 @@ def run_worker(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     from hydra.errors import HydraException
-    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from fl_platform.ssgd.config import compose_ssgd_config
@@ -52,7 +51,7 @@ def run_worker(argv: list[str] | None = None) -> int:
         return _fail(err)
     if show:
         if _is_main():
-            print(OmegaConf.to_yaml(cfg))
+            print(cfg.to_yaml())
         return 0
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
     from fl_platform.ssgd.distributed import init_distributed, shutdown

@@ -28,13 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
 
-from fl_platform.config import options_of
-from fl_platform.datasets.augment import Augmentation, AugmentConf
+from fl_platform.datasets.augment import Augmentation
 from fl_platform.datasets.registry import load_source
 from fl_platform.models import build_model, check_model_input
 from fl_platform.outputs import MetricsLog, RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
+from fl_platform.run_config import RunConfig
 from fl_platform.seeding import Stream, seed_torch_global
 from fl_platform.ssgd.distributed import DistContext, average_, replica_max_abs_diff, shard_indices
 from fl_platform.ssgd.sync import Sync, broadcast_model, make_sync
@@ -64,12 +63,10 @@ class TensorData:
         return int(self.train_y.numel())
 
 
-def load_data(cfg: DictConfig, device: torch.device) -> TensorData:
-    ds = cfg.dataset
-    src = load_source(ds.name, root=ds.root, download=ds.download, seed=cfg.seed,
-                      **options_of(ds, exclude=("name", "root", "download", "augment")))
-    augment = Augmentation.build(AugmentConf(**options_of(ds.augment, exclude=())), src.input_shape,
-                                 src.train_x.dtype, src.name, src.pad_value)
+def load_data(run: RunConfig, device: torch.device) -> TensorData:
+    ds = run.dataset
+    src = load_source(ds.name, root=ds.root, download=ds.download, seed=run.seed, **run.source_options)
+    augment = Augmentation.build(run.augment, src.input_shape, src.train_x.dtype, src.name, src.pad_value)
 
     def put(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
@@ -78,35 +75,35 @@ def load_data(cfg: DictConfig, device: torch.device) -> TensorData:
                       tuple(src.input_shape), src.vocab, augment)
 
 
-def build_flat_model(cfg: DictConfig, data: TensorData, device: torch.device) -> FlatModel:
+def build_flat_model(run: RunConfig, data: TensorData, device: torch.device) -> FlatModel:
     """The run's model, initialised from (seed, INIT) as in the simulator, as a FlatModel."""
-    options = options_of(cfg.model)
-    if data.vocab is not None and cfg.model.name == "lstm":
+    options = run.model_options
+    if data.vocab is not None and run.model.name == "lstm":
         options["vocab_size"] = len(data.vocab)
-    check_model_input(cfg.model.name, data.input_shape, data.num_classes, data.train_x.dtype,
-                      dataset=cfg.dataset.name, **options)
-    seed_torch_global(cfg.seed, Stream.INIT)
-    return FlatModel(build_model(cfg.model.name, data.input_shape, data.num_classes, **options), device)
+    check_model_input(run.model.name, data.input_shape, data.num_classes, data.train_x.dtype,
+                      dataset=run.dataset.name, **options)
+    seed_torch_global(run.seed, Stream.INIT)
+    return FlatModel(build_model(run.model.name, data.input_shape, data.num_classes, **options), device)
 
 
-def train_config(cfg: DictConfig) -> TrainConfig:
-    return TrainConfig(**OmegaConf.to_container(cfg.train, resolve=True))
+def train_config(run: RunConfig) -> TrainConfig:
+    return run.train_config
 
 
 def steps_per_epoch(shard: int, cfg: TrainConfig) -> int:
     return shard // cfg.batch_size if cfg.drop_last else math.ceil(shard / cfg.batch_size)
 
 
-def default_run_dir(cfg: DictConfig) -> Path:
+def default_run_dir(run: RunConfig) -> Path:
     now = datetime.now()
-    tag = f"{cfg.ssgd.sync}_{cfg.compressor.name}_{cfg.dataset.name}_s{cfg.seed}"
+    tag = f"{run.ssgd.sync}_{run.compressor.name}_{run.dataset.name}_s{run.seed}"
     return Path("outputs") / "ssgd" / now.strftime("%Y-%m-%d") / f"{now.strftime('%H-%M-%S-%f')}_{tag}"
 
 
-def set_threads(cfg: DictConfig, ctx: DistContext) -> int:
+def set_threads(run: RunConfig, ctx: DistContext) -> int:
     """Intra-op threads: ``ssgd.threads``, else ``OMP_NUM_THREADS`` (torchrun sets 1), else this node's
     cores shared by its processes. Oversubscribed cores make every step many times slower."""
-    threads = cfg.ssgd.threads
+    threads = run.ssgd.threads
     if threads is None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
         threads = max(1, int(os.environ["OMP_NUM_THREADS"]))
     if threads is None:
@@ -117,7 +114,8 @@ def set_threads(cfg: DictConfig, ctx: DistContext) -> int:
 
 
 class SSGDTrainer:
-    def __init__(self, cfg: DictConfig, ctx: DistContext, run_dir: Path | str | None = None) -> None:
+    def __init__(self, cfg: RunConfig, ctx: DistContext, run_dir: Path | str | None = None) -> None:
+        """``cfg``: the run's typed configuration (``ssgd.config.compose_ssgd_config``)."""
         t0 = time.perf_counter()
         self.cfg, self.ctx = cfg, ctx
         self.threads = set_threads(cfg, ctx)
@@ -125,7 +123,7 @@ class SSGDTrainer:
         self.data = load_data(cfg, ctx.device)
         self.fm = build_flat_model(cfg, self.data, ctx.device)
         s = cfg.ssgd
-        compressor = OmegaConf.to_container(cfg.compressor, resolve=True)
+        compressor = cfg.compressor_options
         self.sync: Sync = make_sync(str(s.sync), self.fm, ctx, compressor, seed=cfg.seed,
                                     bucket_cap_mb=s.bucket_cap_mb, start_iter=s.start_iter, period=s.period,
                                     local_start_step=s.local_start_step, check_replicas=s.check_replicas)
@@ -147,7 +145,7 @@ class SSGDTrainer:
         self.run_dir: RunDir | None = None
         if ctx.is_main:
             self.run_dir = RunDir(run_dir if run_dir is not None else (cfg.run_dir or default_run_dir(cfg)))
-            atomic_write_text(self.run_dir.config, OmegaConf.to_yaml(cfg, resolve=True))
+            atomic_write_text(self.run_dir.config, cfg.to_yaml())
             atomic_write_text(self.run_dir.metrics, "")
         self.metrics = MetricsLog(self.run_dir.metrics) if self.run_dir is not None else None
         self.history: list[dict[str, Any]] = []
@@ -319,5 +317,5 @@ class SSGDTrainer:
         rows = math.ceil(self.total_steps / self.interval)
         return Reporter(rows, progress=lg.progress, wandb=lg.wandb, wandb_project=lg.wandb_project,
                         wandb_mode=lg.wandb_mode, run_dir=str(self.run_dir.path) if self.run_dir else None,
-                        config=OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
+                        config=self.cfg.to_container(),
                         log_every=lg.log_every)

@@ -1,0 +1,384 @@
+"""Every start-up check of a run's configuration, in one place, on the typed run config (run_config.py).
+
+Hydra checks types, unknown option names and keys a schema lacks when composing. What is left is
+here: values that are well-typed but make no sense, keys that nothing reads (``+key=value``), the
+user's code that the config names (it loads, with the config's fields as its parameters), settings
+this run would silently ignore (a field that acts only under another option), what a resume or a
+runtime (Ray's cluster keys, a Flower deployment, S-SGD) cannot honour, and, once the data is
+loaded, the model and step options the data cannot take. Each refusal is a ``ConfigError`` (a
+``ValueError``) that names the key and the reason.
+
+Who calls what: the simulator (``experiment.build``) runs :func:`check_run` and
+:func:`check_cluster_keys`; the Flower ServerApp :func:`check_run` and :func:`check_flower_server`;
+every runtime's ``make_setup`` :func:`check_setup`; a resume :func:`check_resumable`; S-SGD
+(``ssgd.config.compose_ssgd_config``) :func:`check_ssgd`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from fl_platform.config import OPEN_OPTIONS, EngineConf, EvalConf
+from fl_platform.rounds.callbacks import EarlyStopConf, load_callbacks
+from fl_platform.run_config import RunConfig, plain
+from fl_platform.training.loop import TrainConfig
+
+
+class ConfigError(ValueError):
+    """A config value that is well-typed but makes no sense (names the key)."""
+
+
+def _raise_first(checks: list[tuple[bool, str, str]]) -> None:
+    for ok, key, message in checks:
+        if not ok:
+            raise ConfigError(f"{key} {message}")
+
+
+# ---------------------------------------------------------------- the simulator and Flower
+
+
+def check_run(run: RunConfig) -> None:
+    """The federated run's start-up checks (simulator and Flower): values, keys, plug-ins, inert settings."""
+    from fl_platform.state.store import STORE_KINDS
+    from fl_platform.training.vectorised import parse_cohort_size
+
+    train, engine = run.train, run.engine
+    checks = [
+        (run.rounds >= 1, "rounds", f"must be >= 1, got {run.rounds}"),
+        (run.num_clients >= 1, "num_clients", f"must be >= 1, got {run.num_clients}"),
+        (1 <= run.clients_per_round <= run.num_clients, "clients_per_round",
+         f"must be in 1..num_clients={run.num_clients}, got {run.clients_per_round}"),
+        (run.eval_every >= 1, "eval_every", f"must be >= 1, got {run.eval_every}"),
+        (train.batch_size >= 1, "train.batch_size", f"must be >= 1, got {train.batch_size}"),
+        (train.lr > 0, "train.lr", f"must be > 0, got {train.lr}"),
+        (train.steps is not None or (train.epochs is not None and train.epochs >= 1), "train.epochs",
+         f"must be >= 1 (or set train.steps), got {train.epochs}"),
+        (train.steps is None or train.steps >= 1, "train.steps", f"must be >= 1, got {train.steps}"),
+        (train.steps is None or train.epochs is None, "train.epochs",
+         f"has no effect when train.steps is set (train.steps={train.steps} fixes the number of local "
+         f"steps; got train.epochs={train.epochs}): set one of them"),
+        (train.optimizer in ("sgd", "adam"), "train.optimizer",
+         f"must be one of sgd, adam; got {train.optimizer!r}"),
+        (run.checkpoint_every >= 0, "checkpoint_every", f"must be >= 0, got {run.checkpoint_every}"),
+        (engine.state_store in STORE_KINDS, "engine.state_store",
+         f"must be one of {', '.join(STORE_KINDS)}; got {engine.state_store!r}"),
+        (engine.state_backend in ("memory", "disk"), "engine.state_backend",
+         f"must be memory or disk; got {engine.state_backend!r}"),
+        (engine.max_restarts >= 0, "engine.max_restarts", f"must be >= 0, got {engine.max_restarts}"),
+        (engine.eval_device in ("auto", "cpu") or engine.eval_device.split(":")[0] == "cuda", "engine.eval_device",
+         f"must be auto, cpu or cuda[:k]; got {engine.eval_device!r}"),
+        (engine.start_timeout_s > 0, "engine.start_timeout_s", f"must be > 0, got {engine.start_timeout_s}"),
+        (engine.threads_per_worker is None or engine.threads_per_worker >= 1, "engine.threads_per_worker",
+         f"must be >= 1 (or null: engine.cpus_per_worker, 1 inline), got {engine.threads_per_worker}"),
+        (engine.fault_injection.client is None or plain(engine.name) == "ray", "engine.fault_injection",
+         "is a test-only fault for Ray workers; it needs engine=ray"),
+        (engine.fault_injection.slow_worker is not None or engine.fault_injection.slow_factor == 1.0,
+         "engine.fault_injection.slow_factor", "slows the worker named by engine.fault_injection.slow_worker "
+         "(test only); set that too, or leave slow_factor at 1.0"),
+        (engine.fault_injection.slow_worker is None or engine.fault_injection.slow_factor > 1.0,
+         "engine.fault_injection.slow_worker", f"(test only) needs engine.fault_injection.slow_factor > 1, got "
+         f"{engine.fault_injection.slow_factor}"),
+        (not engine.state_fsync or engine.state_store == "disk"
+         or (engine.state_store == "distributed" and engine.state_backend == "disk"), "engine.state_fsync",
+         f"needs client-state files (engine.state_store=disk, or distributed with state_backend=disk); got "
+         f"state_store={engine.state_store}, state_backend={engine.state_backend}"),
+    ]
+    try:
+        parse_cohort_size(engine.cohort_size)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if hasattr(run.partition, "alpha"):
+        checks.append((run.partition.alpha > 0, "partition.alpha", f"must be > 0, got {run.partition.alpha}"))
+    checks.append((not train.nesterov or train.optimizer != "sgd" or train.momentum > 0, "train.nesterov",
+                   f"needs train.momentum > 0, got momentum={train.momentum}"))
+    schedule = run.train_config.lr_schedule
+    checks += [(False, f"train.lr_schedule.{key}", why) for key, why in schedule.problems(train.lr)]
+    early = run.early_stop_conf
+    checks += [(False, f"early_stop.{key}", why) for key, why in early.problems()]
+    _raise_first(checks)
+    refuse_inactive("early_stop", early, EarlyStopConf(), early.inactive_fields())
+    check_keys_and_plugins(run)
+    check_effective(run)
+    check_eval(run)
+
+
+def check_eval(run: RunConfig) -> None:
+    """The eval section: sane values, and no key that acts only with per-client evaluation set without it."""
+    ev = run.get("eval")
+    if ev is None:
+        return
+    if not 0.0 < ev.local_test_fraction < 1.0:
+        raise ConfigError(f"eval.local_test_fraction must be in (0, 1), got {ev.local_test_fraction}")
+    if ev.finetune_steps < 0:
+        raise ConfigError(f"eval.finetune_steps must be >= 0, got {ev.finetune_steps}")
+    if run.eval_clients == "none":
+        why = "it acts only with per-client evaluation, and eval.clients=none (set eval.clients=all or sample)"
+        refuse_inactive("eval", ev, EvalConf(), {"local_test_fraction": why, "finetune_steps": why})
+
+
+def unknown_keys(node: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of ``node`` (a typed section) that its schema dataclass does not declare.
+
+    Hydra refuses a new key unless it is added with ``+`` (``+algorithm.mux=1``), and merging onto a
+    schema keeps an added key without complaint (the door keeps it as an attribute): this finds them,
+    so that such a key is refused rather than ignored. The user's own fields in an open option
+    (``model=custom``, ...) are left to the plug-in checks (:func:`check_plugins`)."""
+    if not is_dataclass(node) or isinstance(node, type):
+        return []
+    group = prefix.rstrip(".")
+    open_option = group in OPEN_OPTIONS and str(getattr(node, "name", None)) in OPEN_OPTIONS[group]
+    declared = {f.name for f in fields(node)}
+    out = [] if open_option else [f"{prefix}{k}" for k in vars(node) if k not in declared]
+    for key, value in vars(node).items():
+        if open_option or key in declared:
+            out += unknown_keys(value, f"{prefix}{key}.")
+    return out
+
+
+def check_keys_and_plugins(run: RunConfig) -> None:
+    """No key that nothing reads (``+key=value`` beyond the schemas), and the user's code loads with
+    the config's fields for it (also S-SGD's check)."""
+    unknown = unknown_keys(run.tree)
+    if unknown:
+        raise ConfigError(f"{', '.join(unknown)}: not a key of the config (a + override adds a key no schema "
+                          "declares, so nothing would read it)")
+    check_plugins(run)
+
+
+def check_plugins(run: RunConfig) -> None:
+    """The user's code that the config names (a custom model or dataset, a plug-in algorithm) loads,
+    and the config's fields for it are its parameters (an unknown one is refused, naming it)."""
+    from fl_platform.datasets.registry import CUSTOM as CUSTOM_DATA
+    from fl_platform.datasets.registry import custom_loader
+    from fl_platform.models.custom import CUSTOM, builder_of, split_options
+
+    try:
+        if run.get("algorithm") is not None:
+            run.algorithm_spec  # noqa: B018 (loads algorithm._target_)
+        if run.model.name == CUSTOM:
+            builder_of(*split_options(run.model_options))
+        if run.dataset.name == CUSTOM_DATA:
+            ds = run.dataset
+            own = {k: v for k, v in run.source_options.items() if k != "_target_"}
+            custom_loader(ds._target_, own, ds.root, ds.download)
+        load_callbacks(run.callback_items)
+    except (ValueError, TypeError) as err:  # PluginError is a ValueError
+        raise ConfigError(str(err)) from None
+
+
+def train_inactive(train: TrainConfig) -> dict[str, str]:
+    """Local-training fields that the chosen optimizer or lr schedule does not read (field -> why)."""
+    schedule = {f"lr_schedule.{k}": why for k, why in train.lr_schedule.inactive_fields().items()}
+    if train.optimizer == "sgd":
+        return {**dict.fromkeys(("adam_beta1", "adam_beta2", "adam_eps"), "an Adam setting, and train.optimizer=sgd"),
+                **schedule}
+    return {**dict.fromkeys(("momentum", "nesterov"), f"an SGD setting, and train.optimizer={train.optimizer}"),
+            **schedule}
+
+
+def _field(conf: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        conf = getattr(conf, part)
+    return conf
+
+
+def refuse_inactive(section: str, conf: Any, default: Any, inactive: dict[str, str]) -> None:
+    """ConfigError for the first field in ``inactive`` (field -> why it has no effect) whose value in
+    ``conf`` differs from ``default``'s: a key that would be silently ignored."""
+    for key, why in inactive.items():
+        value, base = _field(conf, key), _field(default, key)
+        if value != base:
+            raise ConfigError(f"{section}.{key}={value!r} has no effect in this run: {why} (leave it at {base!r})")
+
+
+def check_effective(run: RunConfig) -> None:
+    """Refuse, naming the key, a setting that this run would silently ignore: a field that only acts
+    under another option (``train.adam_beta1`` with ``optimizer=sgd``, ``algorithm.constant_weight``
+    with a gradual schedule, ``system.trace`` without ``system=trace``) set away from its default,
+    or a compressor whose ``tensors`` are not among what the algorithm uploads."""
+    from fl_platform.compression.registry import COMPRESSORS, conf_of
+    from fl_platform.compression.uplink import check_compressor
+    from fl_platform.system.config import SystemConf
+
+    train = run.train_config
+    refuse_inactive("train", train, TrainConfig(), train_inactive(train))
+    spec = run.algorithm_spec
+    alg = run.algorithm_conf
+    refuse_inactive("algorithm", alg, spec.conf(), alg.inactive_fields(run))
+    if run.get("compressor") is not None:
+        try:
+            comp = conf_of(run.compressor)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        refuse_inactive("compressor", comp, COMPRESSORS[comp.name][0](), comp.inactive_fields(run.rounds))
+        try:
+            check_compressor(comp, spec.client.uploads(alg), run.algorithm_name,
+                             getattr(spec.client, "compresses_uplink", False))
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    if run.get("system") is not None:
+        refuse_inactive("system", run.system, SystemConf(), run.system.inactive_fields())
+    if run.get("privacy") is not None:
+        check_privacy_keys(run, spec, alg)
+    if run.get("server_opt") is not None:
+        from fl_platform.algorithms.server_opt import ServerOptConf, check_server_opt
+
+        opt = run.server_opt
+        refuse_inactive("server_opt", opt, ServerOptConf(), opt.inactive_fields())
+        try:
+            check_server_opt(opt, spec.server, run.algorithm_name)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
+def check_privacy_keys(run: RunConfig, spec: Any, alg: Any) -> None:
+    """The privacy group: no inert key, sane values, an algorithm and sampling the mechanism and the
+    accountant cover (fl_platform/privacy/setup.py), else ConfigError naming the key."""
+    from fl_platform.privacy.config import PrivacyConf
+    from fl_platform.privacy.setup import check_privacy
+
+    conf = run.privacy
+    refuse_inactive("privacy", conf, PrivacyConf(), conf.inactive_fields(run.num_clients, run.clients_per_round))
+    try:
+        check_privacy(run, spec, alg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def check_cluster_keys(run: RunConfig) -> None:
+    """Refuse the Ray engine's cluster keys where they would do nothing (engine=inline, not a disk store)."""
+    from fl_platform.engine.ray_cluster import runtime_env_for
+
+    engine = run.engine
+    ray = plain(engine.name) == "ray"
+    base = EngineConf()
+    _raise_first([
+        (ray or engine.address is None, "engine.address", "joins a Ray cluster; it needs engine=ray"),
+        (ray or engine.start_timeout_s == base.start_timeout_s, "engine.start_timeout_s",
+         "bounds how long Ray workers may take to start; it needs engine=ray"),
+        (ray or engine.max_restarts == base.max_restarts, "engine.max_restarts",
+         "restarts dead Ray workers; it needs engine=ray"),
+        (ray or engine.cpus_per_worker == base.cpus_per_worker, "engine.cpus_per_worker",
+         "is each Ray worker's CPU reservation; it needs engine=ray (inline: engine.threads_per_worker)"),
+        (ray or engine.gpus_per_worker == base.gpus_per_worker, "engine.gpus_per_worker",
+         "is each Ray worker's GPU share; it needs engine=ray"),
+        (ray or engine.runtime_env == "auto", "engine.runtime_env", "ships code to Ray nodes; it needs engine=ray"),
+        (not (ray and engine.state_dir) or os.path.isabs(engine.state_dir) or engine.state_dir.startswith("~"),
+         "engine.state_dir", f"is relative ({engine.state_dir}): with engine=ray it is interpreted on every node, "
+         f"whose working directory is Ray's; give an absolute path (or one under ~, expanded on each node)"),
+        (not engine.state_dir_shared or (ray and engine.state_store == "disk"), "engine.state_dir_shared",
+         f"declares a disk store's folder shared by Ray workers; it needs engine=ray and engine.state_store=disk, "
+         f"got engine={plain(engine.name)}, state_store={engine.state_store}"),
+    ])
+    try:
+        runtime_env_for(plain(engine.runtime_env), joining=True)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def check_flower_server(run: RunConfig) -> None:
+    """What a Flower deployment does not implement (the ServerApp refuses it before waiting for nodes)."""
+    if run.early_stop_conf.patience or run.callback_items:  # (fl_platform/rounds/callbacks.py: the simulator's)
+        raise ValueError("early_stop.patience and callbacks are not implemented for Flower deployments: the "
+                         "validation split would have to be cut on every node; use them with engine=inline|ray "
+                         "or fl_platform.api.run")
+
+
+def check_setup(run: RunConfig, model: Any, data: Any, staged_for: str | None) -> None:
+    """Once the data is loaded: the model can take its samples (``check_model_input``; ``staged_for``: the
+    algorithm that needs a staged model, or None), and the step's options (train.precision, channels_last,
+    engine.cohort_size) suit this data and engine."""
+    from fl_platform.models import check_model_input
+    from fl_platform.training.step import check_cohort_options, check_image_inputs
+    from fl_platform.training.vectorised import parse_cohort_size
+
+    check_model_input(model.name, model.input_shape, model.num_classes, data.train_dtype,
+                      dataset=run.dataset.name, stages_for=staged_for, **model.options)
+    try:  # the step's options this data and engine cannot apply (the device's: LocalTrainer)
+        check_image_inputs(run.train_config, model.input_shape, data.train_dtype.is_floating_point)
+        check_cohort_options(run.train_config, parse_cohort_size(run.engine.cohort_size))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+# ---------------------------------------------------------------- resuming
+
+
+# Keys that may differ between a checkpointed run and its resumption: they do not change results.
+RESUME_FREE_KEYS = ("resume", "checkpoint_every", "logger.", "eval_batch_size", "engine.name", "engine.num_workers",
+                    "engine.device", "engine.cpus_per_worker", "engine.gpus_per_worker", "engine.threads_per_worker",
+                    "engine.max_restarts", "engine.scheduler_smoothing", "engine.address", "engine.fault_injection",
+                    "engine.state_cache_mb", "engine.state_fsync", "engine.cohort_size", "engine.eval_device",
+                    "engine.start_timeout_s",
+                    "engine.runtime_env", "engine.state_dir_shared", "engine.scheduler")
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def check_resumable(run: RunConfig, saved_config: Path) -> None:
+    """Refuse to resume a run dir whose checkpoint was made with a config that changes results (the
+    composed YAML form of both: config.yaml holds it)."""
+    if not saved_config.exists():
+        return
+    old = _flatten(OmegaConf.to_container(OmegaConf.load(saved_config), resolve=True))
+    new = _flatten(run.to_container())
+    diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+             if not k.startswith(RESUME_FREE_KEYS) and old.get(k) != new.get(k)]
+    if diffs:
+        raise ConfigError(f"resume: the checkpoint in {saved_config.parent} was made with a different config "
+                          f"({'; '.join(diffs[:5])}); rerun with the same overrides, or resume=never to start over")
+
+
+# ---------------------------------------------------------------- S-SGD
+
+
+def check_ssgd(run: RunConfig) -> None:
+    """The S-SGD runtime's checks (fl_platform/ssgd): values, the federated-only train options it does
+    not take, and, as the simulator's, keys and plug-ins."""
+    from fl_platform.training.schedule import LrSchedule
+
+    s, t = run.ssgd, run.train
+    compressor = run.compressor.name
+    _raise_first([
+        (t.batch_size >= 1, "train.batch_size", f"must be >= 1, got {t.batch_size}"),
+        (t.lr > 0, "train.lr", f"must be > 0, got {t.lr}"),
+        ((t.epochs or 0) >= 1 or bool(t.steps), "train.epochs", f"must be >= 1 (or set train.steps), got {t.epochs}"),
+        (t.steps is None or t.steps >= 1, "train.steps", f"must be >= 1 or null, got {t.steps}"),
+        (t.optimizer in ("sgd", "adam"), "train.optimizer", f"must be one of sgd, adam; got {t.optimizer!r}"),
+        (t.shuffle_offset == 0, "train.shuffle_offset",
+         f"is the federated loop's noise-floor control; S-SGD shards every epoch from (seed, SHUFFLE, epoch) "
+         f"and does not take it (leave it at 0), got {t.shuffle_offset}"),
+        (t.lr_schedule == LrSchedule(), "train.lr_schedule",
+         f"schedules the rate across federated rounds; S-SGD has no rounds (leave it at its defaults), got "
+         f"{plain(t.lr_schedule)}"),
+        *((getattr(t, key) == off, f"train.{key}", f"is a step option of the federated loop "
+           f"(docs/engine.md, \"The step\"); the S-SGD step does not implement it (leave it at {off}), "
+           f"got {getattr(t, key)}") for key, off in (("precision", "fp32"), ("channels_last", False), ("compile", False))),
+        (run.eval_every >= 0, "eval_every", f"must be >= 0, got {run.eval_every}"),
+        (run.log_every_steps >= 0, "log_every_steps", f"must be >= 0, got {run.log_every_steps}"),
+        (s.backend in ("auto", "gloo", "nccl"), "ssgd.backend", f"must be auto, gloo or nccl; got {s.backend!r}"),
+        (s.bucket_cap_mb > 0, "ssgd.bucket_cap_mb", f"must be > 0, got {s.bucket_cap_mb}"),
+        (s.start_iter >= 2, "ssgd.start_iter",
+         f"must be >= 2 (DDP rebuilds its buckets after iteration 1, so per-bucket state would be lost), "
+         f"got {s.start_iter}"),
+        (s.period >= 1, "ssgd.period", f"must be >= 1, got {s.period}"),
+        (s.local_start_step >= 0, "ssgd.local_start_step", f"must be >= 0, got {s.local_start_step}"),
+        (s.threads is None or s.threads >= 1, "ssgd.threads", f"must be >= 1 or null, got {s.threads}"),
+        (s.timeout_s > 0, "ssgd.timeout_s", f"must be > 0, got {s.timeout_s}"),
+        (plain(s.sync) == "ddp" or compressor == "none", "ssgd.sync",
+         f"local SGD averages whole models and takes no gradient compressor; got compressor={compressor} "
+         "(use ssgd.sync=ddp, or compressor=none)"),
+    ])
+    check_keys_and_plugins(run)  # model=custom / dataset=custom load, with their fields checked
