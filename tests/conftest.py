@@ -32,8 +32,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 @pytest.fixture(autouse=True)
 def _ray_tests_are_marked(request, monkeypatch):
-    """A test that starts Ray in this process must be marked ``ray``: the mark is what keeps every Ray test
-    on one pytest-xdist worker (below), so an unmarked one would start a second Ray beside it."""
+    """A test that starts Ray in this process must be marked ``ray``: the mark keeps a module's Ray tests on
+    one pytest-xdist worker with that worker's session Ray (below) and puts them in the slow tier."""
     if request.node.get_closest_marker("ray") is not None:
         yield
         return
@@ -57,17 +57,21 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``--dist loadgroup``), every Ray test goes to one worker: they share the
-    session's Ray instance, and Ray clusters of their own would otherwise fight that worker's Ray for the
-    same two cores. The rest (Flower's processes included) spread over the workers beside them.
+    """Under pytest-xdist (``--dist loadgroup``), each module's Ray tests form one group, run by one worker
+    against that worker's session Ray (one per worker, started once); the groups spread over the workers
+    like any other test, so neither waits on the other's Ray tests. A module that groups itself
+    (``xdist_group`` on the module: a fixture that starts processes once) keeps its group.
 
     Ray and Flower tests start processes (seconds each): they count as ``slow``, so the quick tier
     ``./scripts/test.sh -m "not slow"`` is the in-process tests alone."""
     for item in items:
-        if item.get_closest_marker("ray"):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+        if item.get_closest_marker("ray") and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(f"ray-{item.module.__name__.rsplit('.', 1)[-1]}"))
         if item.get_closest_marker("ray") or item.get_closest_marker("flower"):
             item.add_marker(pytest.mark.slow)
+    # Slow tests first (order kept otherwise): pytest-xdist hands out groups with more tests first and the rest
+    # in this order, so a long one-test group (the tutorial, a cluster launcher) does not start last.
+    items[:] = sorted(items, key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.hookimpl(trylast=True)

@@ -70,13 +70,15 @@ def check(results: tuple[dict[str, dict], str], name: str) -> None:
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.parametrize("name", CLUSTER_CASES)
+@pytest.mark.xdist_group("cluster_nodes")  # one pytest worker runs the cluster mode once; the join mode may run
+@pytest.mark.parametrize("name", CLUSTER_CASES)  # on the other at the same time
 def test_three_node_cluster(cluster_results, name):
     check(cluster_results, name)
 
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.xdist_group("cluster_join")
 @pytest.mark.parametrize("name", JOIN_CASES)
 def test_join_a_cluster_with_engine_address(join_results, name):
     check(join_results, name)
