@@ -215,6 +215,22 @@ class Federation:
         with contextlib.suppress(ProcessLookupError):  # stragglers of the group
             os.killpg(proc.pid, signal.SIGKILL)
 
-    def stop(self) -> None:
-        for name in [n for n in self.procs if n != "superlink"] + ["superlink"]:
-            self.kill(name)
+    def stop(self, timeout: float = 20.0) -> None:
+        """Stop every process: SIGTERM to each SuperNode's group at once, then the SuperLink; whatever has
+        not exited within ``timeout`` seconds is killed (SIGKILL), by group."""
+        nodes = [n for n in self.procs if n != "superlink"]
+        for group in (nodes, ["superlink"]):
+            procs = {n: self.procs.pop(n) for n in group if n in self.procs}
+            for proc in procs.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for proc in procs.values():
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            time.sleep(0.2)
+            for proc in procs.values():
+                with contextlib.suppress(ProcessLookupError):  # stragglers of the group
+                    os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=10)
