@@ -3,7 +3,11 @@
 Only values the engine wraps in :class:`Packed` are affected; every other tensor in the process is
 pickled by torch as usual. A packed value's CPU tensors travel as numpy arrays, whose buffers
 pickle protocol 5 moves without a copy (torch's own pickling of a tensor costs about 0.3 ms more
-per message: measured 1.95 vs 1.22 ms for a call with a 9,610-parameter model each way). The
+per message: measured 1.95 vs 1.22 ms for a call with a 9,610-parameter model each way). Kept by
+issue 25 item 9's rule (a CPU-side speed-up stays only where a benchmark shows it gains more than
+5 %): on the engine benchmark (100/10, Ray with 2 workers) rounds with these reductions take 0.70
+[0.53, 0.92] of the time they take with every tensor through torch's pickling (10 paired runs on a
+shared host; docs/benchmarks.md, "CPU micro-optimisations"). The
 receiver gets the original value back, bit-identical, with writable CPU tensors. A tensor on an
 accelerator is copied to the CPU before it travels, so nothing is ever deserialised onto a device
 the receiver may not have (the receiver moves what it needs to its own device).

@@ -395,7 +395,11 @@ class FunctionalModel:
         matrix products; their convolutions one grouped convolution (group i: client i), with the
         activations laid out as (B, k * C, H, W), which ReLU and max-pooling take as they are; one
         ordinary backward of the sum of the clients' losses gives each client its own gradient
-        (a client's loss depends only on its own parameters)."""
+        (a client's loss depends only on its own parameters). Kept by issue 25 item 9's rule (a
+        CPU-side speed-up stays only where a benchmark shows it gains more than 5 %): on the engine
+        benchmark's workload with vectorised cohorts (1,000/100, inline, ``engine.cohort_size=auto``)
+        a round takes 0.75 [0.68, 0.82] of its time with vmap (60 interleaved round pairs, shared
+        host; docs/benchmarks.md, "CPU micro-optimisations")."""
         k = params.shape[0]
         leaves = {}
         for s in self.param_slots:

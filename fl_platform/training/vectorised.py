@@ -35,7 +35,6 @@ import torch
 from fl_platform.core import Metrics
 from fl_platform.datasets.augment import Augmentation
 from fl_platform.seeding import Stream, derive_seeds
-from fl_platform.training.allocator import keep_freed_blocks
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.functional import (
     FunctionalModel,
@@ -131,7 +130,6 @@ class CohortTrainer:
         self._reason: str | None = None
         self._probed = False
         self._vectors: torch.Tensor | None = None  # the last fit's trained rows
-        keep_freed_blocks()  # cohort tensors are large: reuse freed heap blocks (allocator.py)
 
     def unsupported_reason(self, x: torch.Tensor, y: torch.Tensor) -> str | None:
         """Why this model cannot be trained as a cohort (None: it can); probed once, on ``x``/``y``."""
