@@ -488,13 +488,3 @@ def compose(overrides: Any = (), conf_dir: Any = None) -> Any:
             return hydra_compose(config_name="config", overrides=list(overrides))
     finally:
         GlobalHydra.instance().clear()
-
-
-def __getattr__(name: str) -> Any:
-    """``options_of`` moved to the door (fl_platform/run_config.py); this keeps ``from fl_platform.config
-    import options_of`` working for the code that still reads a composed DictConfig (flower/client_app.py)."""
-    if name == "options_of":
-        from fl_platform.run_config import options_of
-
-        return options_of
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -55,11 +55,6 @@ def enum_value(value: Any) -> Any:
     return value.value if isinstance(value, Enum) else value
 
 
-def validate(cfg: DictConfig | RunConfig) -> None:
-    """The run's start-up checks (config_checks.check_run), on ``cfg`` read at the door."""
-    check_run(read_config(cfg))
-
-
 def round_end_for(run: RunConfig, data: FederatedDataset) -> tuple[FederatedDataset, RoundEnd | None]:
     """``data`` without the early-stopping validation rows, and what runs between rounds (None: nothing)."""
     early = run.early_stop_conf
@@ -70,9 +65,8 @@ def round_end_for(run: RunConfig, data: FederatedDataset) -> tuple[FederatedData
     return data, RoundEnd(callbacks, early, validation)
 
 
-def load_data(run: RunConfig | DictConfig) -> FederatedDataset:
+def load_data(run: RunConfig) -> FederatedDataset:
     """The run's federated dataset (with each client's local test split under per-client evaluation)."""
-    run = read_config(run)  # (flower/client_app.py and tests still pass a composed DictConfig)
     ds = run.dataset
     data = build_federated_dataset(
         ds.name, num_clients=run.num_clients, partition_name=run.partition.name, seed=run.seed,
@@ -90,12 +84,11 @@ def node_path(path: str, ray: bool) -> str:
     return path if ray else os.path.abspath(os.path.expanduser(path))
 
 
-def make_setup(run: RunConfig | DictConfig, data: FederatedDataset) -> ExperimentSetup:
+def make_setup(run: RunConfig, data: FederatedDataset) -> ExperimentSetup:
     """What every worker needs to train clients (the simulator's, each Flower node's and the ServerApp's)."""
     from fl_platform import plugins
     from fl_platform.models.custom import CUSTOM, TARGET
 
-    run = read_config(run)  # (flower/client_app.py and tests still pass a composed DictConfig)
     spec = run.algorithm_spec
     alg_conf = run.algorithm_conf
     outputs = spec.num_model_outputs(alg_conf, data.num_classes)

@@ -7,7 +7,7 @@ rounds). The outcome must be one of:
 
 * the run's result differs from the unperturbed run: the server state (final model, and the client
   models or fused levels a server keeps), the bytes or the metric rows (wall-clock timings aside);
-* ``build`` refuses it with an error that names the key (``experiment.validate`` refuses a field
+* ``build`` refuses it with an error that names the key (``config_checks.check_run`` refuses a field
   that has no effect in this configuration when it is set away from its default);
 * the field is in ``ALLOW`` with the reason it legitimately cannot change a result.
 
@@ -235,7 +235,7 @@ def check_key(overrides: tuple[str, ...], section: str, name: str, option: str, 
         assert dotted in str(err), f"{dotted}={p.value!r} ({option}) was refused, but the error does not name it: {err}"
         return "refused"
     assert _differs(result, reference), (f"{dotted}={p.value!r} ({option}) was accepted but changed nothing: "
-                                         "make it act, refuse it in validate(), or ALLOW it with the reason")
+                                         "make it act, refuse it in config_checks.check_run, or ALLOW it with the reason")
     return "changed"
 
 

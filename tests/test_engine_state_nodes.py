@@ -163,6 +163,7 @@ def test_state_dir_is_expanded_on_each_node_not_made_absolute_on_the_driver(monk
     from fl_platform.engine.ray_actors import RayWorker
     from fl_platform.engine.worker import WorkerOptions
     from fl_platform.experiment import make_setup
+    from fl_platform.run_config import read_config
 
     base = ("dataset=digits", "num_clients=4", "clients_per_round=2", "model=mlp", "algorithm=scaffold",
             "engine.state_store=disk")
@@ -170,7 +171,7 @@ def test_state_dir_is_expanded_on_each_node_not_made_absolute_on_the_driver(monk
     exp.engine.close()
     assert exp.setup.state_options["directory"] == str(Path.home() / "fl_node_states")  # inline: here
     cfg = compose_config(*base, "engine=ray", "engine.state_dir='~/fl_node_states'", "engine.state_dir_shared=true")
-    setup = make_setup(cfg, exp.setup.dataset)
+    setup = make_setup(read_config(cfg), exp.setup.dataset)
     assert setup.state_options["directory"] == "~/fl_node_states"  # as given: not the driver's home
     node = RayWorker.__new__(RayWorker)  # its store_options runs on the worker's node
     node.setup, node.worker_id, node.options = setup, 0, WorkerOptions()

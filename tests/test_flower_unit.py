@@ -44,6 +44,7 @@ from fl_platform.flower.records import (
 from fl_platform.flower.server_app import run_server
 from fl_platform.flower.state import ContextStateStore, state_tensor
 from fl_platform.flower.strategy import AlgorithmStrategy, NotEnoughReplies
+from fl_platform.run_config import read_config
 from fl_platform.seeding import Stream, seed_torch_global
 from fl_platform.training.flat import FlatModel
 
@@ -329,6 +330,7 @@ def test_strategy_rejects_wrong_shapes_and_non_finite_replies(caplog):
     grid = LocalGrid(client_app, nodes(n), rc)
     cfg, deploy = fc.from_run_config(rc)
 
+    cfg = read_config(cfg)
     data = load_data(cfg)
     setup = make_setup(cfg, data)
     seed_torch_global(cfg.seed, Stream.INIT)

@@ -14,6 +14,7 @@ from flwr_datasets.partitioner import DirichletPartitioner, ShardPartitioner
 from fl_platform.datasets.flwr_interop import FlwrPartitioner, flwr_partition, labels_dataset
 from fl_platform.datasets.partition import make_partition
 from fl_platform.experiment import load_data
+from fl_platform.run_config import read_config
 
 from .conftest import compose_config
 
@@ -75,9 +76,10 @@ def test_our_partition_as_their_partitioner():
 def test_partition_flwr_in_a_run_config():
     base = ("num_clients=5", "partition=flwr", "partition.partitioner=DirichletPartitioner",
             "+partition.options.min_partition_size=0")
-    data = load_data(compose_config(*base, "+partition.options.alpha=0.5"))
+    data = load_data(read_config(compose_config(*base, "+partition.options.alpha=0.5")))
     labels = data.train_y.numpy()
     assert data.partition == flwr_partition(labels, 5, 0, "DirichletPartitioner",
                                             {"alpha": 0.5, "min_partition_size": 0})
-    assert load_data(compose_config(*base, "+partition.options.alpha=50.0")).partition != data.partition
-    assert load_data(compose_config(*base[:2], "partition.partitioner=IidPartitioner")).partition != data.partition
+    assert load_data(read_config(compose_config(*base, "+partition.options.alpha=50.0"))).partition != data.partition
+    assert load_data(read_config(compose_config(*base[:2], "partition.partitioner=IidPartitioner"))).partition \
+        != data.partition

@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch import nn
 
-from fl_platform.config import options_of
 from fl_platform.experiment import build
 from fl_platform.models import (
     FUSEFL_RESNET18_CUTS,
@@ -28,6 +27,7 @@ from fl_platform.models import (
     count_parameters,
     model_options,
 )
+from fl_platform.run_config import read_config
 
 from .conftest import CONF_DIR, compose_config
 
@@ -438,7 +438,8 @@ def test_experiment_build_refuses_an_impossible_pair_before_any_round(tmp_path) 
 def test_the_experiment_presets_pass_the_check(preset: str) -> None:
     cfg = compose_config(f"+experiment={preset}")
     shape, dtype, classes = DATASET_SAMPLES[cfg.dataset.name]
-    check_model_input(cfg.model.name, shape, classes, dtype, dataset=cfg.dataset.name, **options_of(cfg.model))
+    check_model_input(cfg.model.name, shape, classes, dtype, dataset=cfg.dataset.name,
+                      **read_config(cfg).model_options)
 
 
 def test_ssgd_refuses_an_impossible_pair_before_training() -> None:

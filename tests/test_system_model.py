@@ -141,8 +141,9 @@ def test_metrics_report_simulated_time_independent_of_workers(make_config, tmp_p
     model = build_system(cfg.system, cfg.seed)
     from fl_platform.experiment import load_data
     from fl_platform.rounds.sampling import sample_clients
+    from fl_platform.run_config import read_config
 
-    data = load_data(cfg)
+    data = load_data(read_config(cfg))
     vec_bytes = one[0]["bytes_down"] // 4
     assert one[0]["bytes_up"] == 4 * vec_bytes
     sizes = data.client_sizes()

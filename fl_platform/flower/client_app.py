@@ -164,13 +164,15 @@ def own_rows(data: FederatedDataset, client: int) -> FederatedDataset:
 def _prepare(run_config: Mapping[str, Any], node: NodeSettings) -> Prepared:
     """Compose the run's config and load this client's data: the one place the ClientApp reads the
     experiment config (everything after it reads the typed ``ExperimentSetup``)."""
-    from fl_platform.config import options_of
+    from fl_platform.config_checks import check_run
     from fl_platform.datasets.federated import build_federated_dataset
-    from fl_platform.experiment import make_setup, validate
+    from fl_platform.experiment import make_setup
     from fl_platform.flower.config import from_run_config
+    from fl_platform.run_config import read_config
 
-    cfg, deploy = from_run_config(run_config)
-    validate(cfg)
+    composed, deploy = from_run_config(run_config)
+    cfg = read_config(composed)  # the door: typed from here on
+    check_run(cfg)
     if node.num_partitions is not None and node.num_partitions != cfg.num_clients:
         raise ValueError(f"node config num-partitions={node.num_partitions} but the run has "
                          f"num_clients={cfg.num_clients}")
@@ -179,8 +181,7 @@ def _prepare(run_config: Mapping[str, Any], node: NodeSettings) -> Prepared:
                          f"num_clients={cfg.num_clients}")
     ds = cfg.dataset
     root = node.data_root if node.data_root is not None else ds.root
-    source_options = options_of(ds, exclude=("name", "root", "download", "augment"))
-    augment = options_of(ds.augment, exclude=())
+    source_options, augment = cfg.source_options, cfg.augment
     if node.data_mode == "local":
         # The node's own files are the client's data: one client holding every training sample.
         dataset = build_federated_dataset(ds.name, num_clients=1, partition_name="iid", seed=cfg.seed, root=root,
@@ -189,7 +190,7 @@ def _prepare(run_config: Mapping[str, Any], node: NodeSettings) -> Prepared:
     else:
         dataset = build_federated_dataset(ds.name, num_clients=cfg.num_clients, partition_name=cfg.partition.name,
                                           seed=cfg.seed, root=root, download=False, source_options=source_options,
-                                          partition_options=options_of(cfg.partition), augment=augment)
+                                          partition_options=cfg.partition_options, augment=augment)
         if dataset.num_clients != cfg.num_clients:
             raise ValueError(f"the partition has {dataset.num_clients} clients, the run config says "
                              f"num_clients={cfg.num_clients}")
