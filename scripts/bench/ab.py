@@ -72,8 +72,9 @@ open(out, "w").write(json.dumps({"median_round_s": statistics.median(times)}))
 
 #: ``--calls``: one call pair of a round (two actors that do no work, each answering with a fixed
 #: 5-client result of a 9,610-parameter aggregate), through the checkout's own transport and call
-#: shape: one packed ``RoundCall``; at earlier commits four arguments with the broadcast ``Packed``,
-#: or (4d37b44) three with the process-wide serialiser.
+#: shape: one packed ``RoundCall`` from 4c7d283 until b81aa75; before and since, four arguments with
+#: the broadcast ``Packed`` (since b81aa75 the engine's call has two more small ones), or (4d37b44)
+#: three with the process-wide serialiser.
 CALLS = """
 import importlib.util, json, statistics, sys, time
 import ray, torch
