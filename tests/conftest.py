@@ -32,20 +32,24 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 @pytest.fixture(autouse=True)
 def _ray_tests_are_marked(request, monkeypatch):
-    """A test that starts Ray in this process must be marked ``ray``: the mark keeps a module's Ray tests on
-    one pytest-xdist worker with that worker's session Ray (below) and puts them in the slow tier."""
+    """A test that uses Ray in this process must be marked ``ray``: the mark keeps a module's Ray tests on
+    one pytest-xdist worker with that worker's session Ray (below) and puts them in the slow tier. An
+    unmarked test fails when it starts Ray, asks for ``ray_session`` or connects the Ray engine: the last
+    two would otherwise pass unnoticed wherever an earlier test left Ray running."""
     if request.node.get_closest_marker("ray") is not None:
         yield
         return
+    if "ray_session" in request.fixturenames:
+        pytest.fail(f"{request.node.nodeid} uses ray_session but is not marked @pytest.mark.ray", pytrace=False)
     import ray
 
-    real_init = ray.init
+    from fl_platform.engine import ray_engine
 
-    def init(*args, **kwargs):
-        pytest.fail(f"{request.node.nodeid} starts Ray but is not marked @pytest.mark.ray", pytrace=False)
-        return real_init(*args, **kwargs)
+    def refuse(*args, **kwargs):
+        pytest.fail(f"{request.node.nodeid} uses Ray but is not marked @pytest.mark.ray", pytrace=False)
 
-    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(ray_engine, "connect", refuse)  # RayEngine's way to Ray, running or not
     yield
 
 

@@ -156,6 +156,7 @@ def test_client_evaluation_is_the_same_for_one_and_two_workers(algorithm):
     assert "personal_accuracy_mean" in one[-1] and "finetuned_accuracy_worst10" in one[-1]
 
 
+@pytest.mark.ray
 def test_client_evaluation_on_ray_workers_equals_inline(ray_session):
     base = (*SMALL, "algorithm=fedbn", *BN_CNN, "eval.clients=all", "eval.finetune_steps=2", "rounds=3")
     inline = _results(build(compose_config(*base)))
