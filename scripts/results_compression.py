@@ -18,7 +18,9 @@ BAOW's (``EQUAL_RATIO``: from the seeds' sampled clients and bandwidths before a
 ``equal_bytes_ratio``; the document checks the runs' logged bytes); FedAvg + Top-k at BAOW's
 straggler ratio rho0 (the card's fairness rule: the same rho0); BAOW (BCRS ratios + OPWA); with
 error feedback (BAOW and the equal-bytes Top-k); BAOW's ratios with plain averaging (BCRS alone);
-OPWA capped at gamma_max = 2; and a rho0 sweep, each rho0 with its own equal-bytes Top-k.
+OPWA capped at gamma_max = 2; and a rho0 sweep, each rho0 with its own equal-bytes Top-k. At
+rho0 = 0.1 (``RHO_SAME``) also the paper's own baseline, Top-k at that rho0 for every client, and BCRS
+alone, 10 seeds each, so that the speed claim there is judged against the comparison the paper makes.
 Method and statistics: scripts/results_common.py and docs/results/README.md.
 """
 
@@ -40,6 +42,7 @@ Row, Setting = rc.Row, rc.Setting
 RHO0 = 0.01
 TOPK_RHO0 = f"Top-k at rho0 = {RHO0:g} for every client"  # the paper's Top-k baseline's row
 SWEEP = (0.003, 0.03, 0.1)
+RHO_SAME = 0.1  # the sweep's rho0 that also has the paper's same-rho0 Top-k baseline and BCRS alone (10 seeds)
 ROUNDS = 150
 SEEDS5, SEEDS10 = list(range(5)), list(range(10))
 COMMON = ["dataset=fashion_mnist", "model=mlp", "model.hidden=[128]", "partition=dirichlet", "num_clients=100",
@@ -64,6 +67,10 @@ def topk(ratio: float, ef: bool = False) -> list[str]:
             f"compressor.error_feedback={'true' if ef else 'false'}"]
 
 
+def topk_same_label(rho0: float) -> str:
+    return f"Top-k at rho0 = {rho0:g} for every client"
+
+
 def rows_of(seeds5: list[int], seeds10: list[int], sweep: bool) -> list[Row]:
     """The rows of one alpha (``sweep``: with the rho0 sweep)."""
     eq = EQUAL_RATIO[RHO0]
@@ -86,34 +93,48 @@ def rows_of(seeds5: list[int], seeds10: list[int], sweep: bool) -> list[Row]:
                 seeds5, "OPWA's amplification capped at 2x (the card's safeguard)", "baow", 3)]
     if sweep:
         for rho0 in SWEEP:
-            rows += [Row(f"baow_rho{_tag(rho0)}", f"BAOW, rho0 = {rho0:g}", "baow", [f"algorithm.rho0={rho0:g}"], seeds5,
+            seeds = seeds10 if rho0 == RHO_SAME else seeds5  # a verdict rests on rho0 = RHO_SAME's rows
+            rows += [Row(f"baow_rho{_tag(rho0)}", f"BAOW, rho0 = {rho0:g}", "baow", [f"algorithm.rho0={rho0:g}"], seeds,
                          f"rho0 = {rho0:g}", "baow", 2),
                      Row(f"topk_equal_rho{_tag(rho0)}", f"Top-k, uniform ratio, BAOW's mean bytes at rho0 = {rho0:g}",
-                         "fedavg", topk(EQUAL_RATIO[rho0]), seeds5, f"uniform ratio {EQUAL_RATIO[rho0]:g}", "topk_equal", 2)]
+                         "fedavg", topk(EQUAL_RATIO[rho0]), seeds, f"uniform ratio {EQUAL_RATIO[rho0]:g}", "topk_equal", 2)]
+        tag = _tag(RHO_SAME)
+        rows += [Row(f"topk_same_rho{tag}", topk_same_label(RHO_SAME), "fedavg", topk(RHO_SAME), seeds10,
+                     f"the straggler's ratio at rho0 = {RHO_SAME:g} for everyone (the paper's baseline: the same rho0)",
+                     "topk_rho0", 2),
+                 Row(f"baow_plain_rho{tag}", f"BAOW's ratios at rho0 = {RHO_SAME:g}, plain averaging (BCRS alone)", "baow",
+                     [f"algorithm.rho0={RHO_SAME:g}", "algorithm.aggregation=plain"], seeds10,
+                     "OPWA off: each coordinate divided by the round's total weight", "baow_plain", 2)]
     return rows
 
 
 PAPER = "BAOW (Tang et al., ICPP 2024), specs/baow.md"
-DIFF = ("Fashion-MNIST and an MLP (the paper: CNNs on CIFAR-10/100 and SVHN); uplinks log-uniform over 0.2-20 Mbit/s "
-        "(the paper's bandwidths, client counts, alpha and rho0 were not recovered); rho0 = 0.01; 150 rounds")
 
 
-def claims(alpha: str) -> dict[str, rc.PaperClaim]:
+def _diff(rho0: float) -> str:
+    return ("Fashion-MNIST and an MLP (the paper: CNNs on CIFAR-10/100 and SVHN); uplinks log-uniform over 0.2-20 "
+            f"Mbit/s (the paper's bandwidths, client counts, alpha and rho0 were not recovered); rho0 = {rho0:g}; "
+            "150 rounds")
+
+
+def claims(alpha: str, rho0: float = RHO0) -> dict[str, rc.PaperClaim]:
     """The paper's speed claim is against Top-k at the same rho0 (its baseline): the equal-bytes row is our
     control, so a verdict never rests on it."""
+    diff = _diff(rho0)
+    at = "" if rho0 == RHO0 else f" at rho0 = {rho0:g}"
     return {
         "baseline": rc.PaperClaim("", "a baseline of the paper", None, None, ""),
-        "accuracy": rc.PaperClaim(f"BAOW vs dense FedAvg, accuracy (alpha {alpha})", "CIFAR-10/100, SVHN, Dirichlet "
-                                  "(the best case over settings)", "up to +13 %", 1, DIFF, PAPER),
-        "speed_rho0": rc.PaperClaim(f"BAOW vs FedAvg + Top-k at the same rho0, time to target (alpha {alpha})",
+        "accuracy": rc.PaperClaim(f"BAOW{at} vs dense FedAvg, accuracy (alpha {alpha})", "CIFAR-10/100, SVHN, Dirichlet "
+                                  "(the best case over settings)", "up to +13 %", 1, diff, PAPER),
+        "speed_rho0": rc.PaperClaim(f"BAOW{at} vs FedAvg + Top-k at the same rho0, time to target (alpha {alpha})",
                                     "CIFAR-10/100, SVHN, Dirichlet; Top-k baselines", "3.37x (2.02-3.37x)", 1,
-                                    f"{DIFF}; target {SPEEDUP_TARGET:.0%} of dense FedAvg's final accuracy",
-                                    PAPER, baselines=(TOPK_RHO0,)),
-        "speed_equal": rc.PaperClaim(f"BAOW vs FedAvg + Top-k at equal bytes, time to target (alpha {alpha})",
+                                    f"{diff}; target {SPEEDUP_TARGET:.0%} of dense FedAvg's final accuracy",
+                                    PAPER, baselines=(topk_same_label(rho0),)),
+        "speed_equal": rc.PaperClaim(f"BAOW{at} vs FedAvg + Top-k at equal bytes, time to target (alpha {alpha})",
                                      "as above (the paper's Top-k baselines; equal bytes is our control)",
                                      "3.37x (2.02-3.37x)", 1,
-                                     f"{DIFF}; target {SPEEDUP_TARGET:.0%} of dense FedAvg's final accuracy", PAPER,
-                                     baselines=(TOPK_RHO0,)),
+                                     f"{diff}; target {SPEEDUP_TARGET:.0%} of dense FedAvg's final accuracy", PAPER,
+                                     baselines=(topk_same_label(rho0),)),
         "topk": rc.PaperClaim("Top-k (+EF) vs dense FedAvg", "compressors.md: S-SGD throughput on GPU clusters, no "
                               "FL accuracy claim", None, None, "federated, not data-centre S-SGD"),
     }
@@ -274,6 +295,17 @@ def fmt_ratio(iv: rc.Interval) -> str:
 
 # ----------------------------------------------------------------------------- sections
 
+SWEEP_TAGS = ("baow_rho", "topk_equal_rho", "topk_same_rho", "baow_plain_rho")  # not in the main (rho0 = 0.01) table
+_S = _tag(RHO_SAME)
+# rho0 = RHO_SAME: BAOW and BCRS alone against the paper's baseline (Top-k at the same rho0) and our control
+SAME_TAGS = ["fedavg", f"topk_same_rho{_S}", f"topk_equal_rho{_S}", f"baow_plain_rho{_S}", f"baow_rho{_S}"]
+SAME_PAIRS = [(f"baow_rho{_S}", f"topk_same_rho{_S}", "BAOW vs the straggler's ratio for everyone (the paper's Top-k "
+               "baseline: same rho0)"),
+              (f"baow_plain_rho{_S}", f"topk_same_rho{_S}", "BCRS alone (plain averaging) vs the paper's Top-k baseline"),
+              (f"baow_rho{_S}", f"baow_plain_rho{_S}", "OPWA's effect (same ratios and bytes)"),
+              (f"baow_rho{_S}", f"topk_equal_rho{_S}", "BAOW vs one ratio for everyone, equal mean bytes (our control)"),
+              (f"baow_plain_rho{_S}", f"topk_equal_rho{_S}", "BCRS alone vs one ratio, equal mean bytes")]
+
 # (row, against, what the comparison isolates)
 PAIRS = [("baow", "topk_equal", "BAOW vs one ratio for everyone, equal mean bytes"),
          ("baow", "topk_rho0", "BAOW vs the straggler's ratio for everyone (the paper's Top-k baseline: same rho0)"),
@@ -283,6 +315,12 @@ PAIRS = [("baow", "topk_equal", "BAOW vs one ratio for everyone, equal mean byte
          ("baow_ef", "topk_equal_ef", "BAOW vs one ratio, equal bytes, both with error feedback"),
          ("baow_ef", "baow", "error feedback's effect on BAOW"),
          ("topk_equal_ef", "topk_equal", "error feedback's effect on uniform Top-k")]
+
+
+def _kib_pair(ra: dict[int, rc.Run], rb: dict[int, rc.Run]) -> str:
+    """Mean upload per client per round of two rows, over the seeds they share (as their paired columns)."""
+    seeds = sorted(set(ra) & set(rb))
+    return " / ".join(f"{statistics.fmean(upload_kib(r[k]) for k in seeds):.1f}" for r in (ra, rb))
 
 
 def pair_table(s: Setting, runs: dict[str, dict[int, rc.Run]], pairs: list[tuple[str, str, str]], target: float
@@ -298,7 +336,7 @@ def pair_table(s: Setting, runs: dict[str, dict[int, rc.Run]], pairs: list[tuple
         d = rc.paired(rc.accuracies(ra), rc.accuracies(rb))
         sp, reached = speedup(ra, rb, target)
         out[(a, b)] = (d, sp)
-        kib = f"{statistics.fmean(upload_kib(r) for r in ra.values()):.1f} / {statistics.fmean(upload_kib(r) for r in rb.values()):.1f}"
+        kib = _kib_pair(ra, rb)
         rows.append([s.row(a).label, s.row(b).label, what, kib, str(d.n), rc.fmt_diff(d), rc.fmt_p(d), rc.reading(d),
                      fmt_ratio(sp), reached, rc.reading(sp, "faster", "slower")])
     return rc.md_table(header, rows), out
@@ -338,17 +376,52 @@ def sweep_table(s: Setting, runs: dict[str, dict[int, rc.Run]], target: float) -
         if not ra or not rb:
             continue
         acc = rc.accuracies(ra)
+        shared = set(acc) & set(rb) & set(fedavg)  # every cell of the row over the same seeds
+        acc = {k: v for k, v in acc.items() if k in shared}
         d, dfa = rc.paired(acc, rc.accuracies(rb)), rc.paired(acc, fedavg)
         sp, reached = speedup(ra, rb, target)
-        ratio = statistics.fmean(row["baow_mean_ratio"] for run in ra.values() for row in run["rows"] if "baow_mean_ratio" in row)
-        kib = f"{statistics.fmean(upload_kib(r) for r in ra.values()):.1f} / {statistics.fmean(upload_kib(r) for r in rb.values()):.1f}"
+        ratio = statistics.fmean(row["baow_mean_ratio"] for k in sorted(shared) for row in ra[k]["rows"]
+                                 if "baow_mean_ratio" in row)
+        kib = _kib_pair(ra, rb)
         rows.append([f"{rho0:g}", f"{ratio:.3f}", f"{EQUAL_RATIO[rho0]:g}", kib, str(d.n),
                      rc.fmt_mean(rc.interval(list(acc.values()))), rc.fmt_diff(d), rc.reading(d), rc.fmt_diff(dfa),
                      rc.reading(dfa), fmt_ratio(sp), reached])
     if not rows:
         return ""
-    return ("### rho0 sweep\n\nEach rho0 against its own uniform Top-k at equal mean bytes (seeds 0-4; rho0 = "
-            f"{RHO0:g} is the main rows' {len(rc.accuracies(runs['baow']))} seeds).\n\n" + rc.md_table(header, rows))
+    return ("### rho0 sweep\n\nEach rho0 against its own uniform Top-k at equal mean bytes, every cell of a row over "
+            f"the seeds its rows share (rho0 = {RHO0:g}: the main rows).\n\n" + rc.md_table(header, rows))
+
+
+def same_rho0_section(s: Setting, cells: dict[str, dict[int, rc.Run]], runs: dict[str, dict[int, rc.Run]],
+                      target: float, targets: list[float]
+                      ) -> tuple[str, list[tuple[rc.PaperClaim, rc.Interval | None, str, str]]]:
+    """rho0 = RHO_SAME against the paper's own baseline (Top-k at that rho0 for every client), with BCRS alone
+    beside it: the section and its verdict rows (accuracy against FedAvg, speed against the same-rho0 Top-k
+    and, untested, against our equal-bytes control)."""
+    base, baow, equal = (f"{x}_rho{_S}" for x in ("topk_same", "baow", "topk_equal"))
+    paper = claims(f"{s.name[5:6]}.{s.name[6:]}", RHO_SAME)
+    if s.row(base) is None:
+        return "", []
+    if not runs.get(base) or not runs.get(baow):  # planned, not run: the claim stays in the table, untested
+        return "", [(paper["speed_rho0"], None, s.row(base).label, "not run yet (the setting's missing runs)")]
+    extra = {"upload KiB/client/round": _mean_cell(upload_kib, "{:.1f}"),
+             "simulated s, all rounds": _mean_cell(sim_time, "{:.0f}")}
+    table, diffs = rc.main_table(s, cells, SAME_TAGS, extra)
+    pairs, found = pair_table(s, runs, SAME_PAIRS, target)
+    text = (f"### rho0 = {RHO_SAME:g} against the paper's baseline (Top-k at the same rho0)\n\n"
+            f"The rho0 sweep's rho0 = {RHO_SAME:g} with the comparison the paper makes: Top-k at ratio {RHO_SAME:g} for "
+            "every client (BAOW's straggler ratio for everyone), and BAOW's ratios with plain averaging (BCRS alone); "
+            "FedAvg is the main rows' dense FedAvg and the target the same "
+            f"{100 * target:.1f} %.\n\nRows:\n" + rc.rows_list(s, SAME_TAGS[1:]) + "\n" + table + "\n" + pairs + "\n"
+            + target_table(s, runs, SAME_TAGS, targets) + "\n")
+    verdicts: list[tuple[rc.PaperClaim, rc.Interval | None, str, str]] = []
+    if baow in diffs:
+        verdicts.append((paper["accuracy"], diffs[baow], "FedAvg", f"{rc.fmt_diff(diffs[baow])} points"))
+    for key, against in (("speed_rho0", base), ("speed_equal", equal)):
+        if (baow, against) in found:
+            sp = found[(baow, against)][1]
+            verdicts.append((paper[key], sp, s.row(against).label, f"{fmt_ratio(sp)} ({sp.n} seeds reaching)"))
+    return text, verdicts
 
 
 def section(s: Setting, cells: dict[str, dict[int, rc.Run]], plots: Path | None, suffix: str
@@ -356,7 +429,7 @@ def section(s: Setting, cells: dict[str, dict[int, rc.Run]], plots: Path | None,
     runs = rc.setting_runs(s, cells)
     if not runs["fedavg"]:
         return rc.setting_header(s) + "Not run yet.\n", []
-    tags = [r.tag for r in s.rows if not r.tag.startswith(("baow_rho", "topk_equal_rho"))]
+    tags = [r.tag for r in s.rows if not r.tag.startswith(SWEEP_TAGS)]
     tags = [*[t for t in tags if t != rc.NOISE], rc.NOISE]
     extra = {"upload KiB/client/round": _mean_cell(upload_kib, "{:.1f}"),
              "simulated s, all rounds": _mean_cell(sim_time, "{:.0f}")}
@@ -372,7 +445,8 @@ def section(s: Setting, cells: dict[str, dict[int, rc.Run]], plots: Path | None,
                     f"dense FedAvg {statistics.fmean(upload_kib(r) for r in runs['fedavg'].values()):.1f} KiB.\n\n")
     main_tags = ["fedavg", "topk_equal", "topk_rho0", "baow", "baow_ef", "baow_plain"]
     plot_tags = [t for t in main_tags if runs.get(t)]
-    text = (rc.setting_header(s) + "Rows:\n" + rc.rows_list(s, tags) + "\n" + table + "\n" + eq_bytes
+    text = (rc.setting_header(s) + "Rows:\n" + rc.rows_list(s, tags) + "\n" + rc.missing_runs(s, cells) + table + "\n"
+            + eq_bytes
             + "### BAOW against Top-k, paired by seed\n\nAccuracy: the mean of the last 5 evaluations. Time to target: "
             f"the simulated seconds until the mean of the last {rc.K_LAST} evaluations first reaches the target "
             f"({SPEEDUP_TARGET:.0%} of dense FedAvg's mean final accuracy here); the speedup is the geometric mean over "
@@ -383,6 +457,8 @@ def section(s: Setting, cells: dict[str, dict[int, rc.Run]], plots: Path | None,
     sweep = sweep_table(s, runs, target)
     if sweep:
         text += sweep + "\n"
+    same, same_verdicts = same_rho0_section(s, cells, runs, target, targets)
+    text += same
     for x, what in (("round", "round"), ("bytes_up", "cumulative upload"), ("simulated_time_s", "simulated time")):
         name = f"{DOC}_{s.name}_{x}{suffix}.png"
         if plots is not None:
@@ -397,6 +473,7 @@ def section(s: Setting, cells: dict[str, dict[int, rc.Run]], plots: Path | None,
         if ("baow", against) in found:
             sp = found[("baow", against)][1]
             verdicts.append((s.paper[key], sp, s.row(against).label, f"{fmt_ratio(sp)} ({sp.n} seeds reaching)"))
+    verdicts += same_verdicts
     for tag in ("topk_equal", "topk_equal_ef"):
         if tag in diffs:
             claim = rc.PaperClaim(f"{s.row(tag).label} (alpha {alpha})", s.paper["topk"].paper_setting, None, None,
