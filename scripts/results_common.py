@@ -731,6 +731,18 @@ def fednova_note(runs: dict[str, dict[int, Run]]) -> str:
             "here.\n\n")
 
 
+def missing_runs(s: Setting, cells: dict[str, dict[int, Run]]) -> str:
+    """The planned runs without an artefact, per row: what a later run of this script adds."""
+    out = []
+    for r in s.rows:
+        have = set(cells.get(f"{s.name}/{r.tag}", {}))
+        todo = [k for k in r.seeds if k not in have]
+        if todo:
+            run = len(todo) > 1 and todo == list(range(todo[0], todo[-1] + 1))
+            out.append(f"{r.label} (seeds {f'{todo[0]}-{todo[-1]}' if run else ', '.join(map(str, todo))})")
+    return ("Planned runs not made yet: " + "; ".join(out) + ".\n\n") if out else ""
+
+
 def last_wins(overrides: Sequence[str]) -> list[str]:
     """``overrides`` as Hydra applies them: of several ``key=value`` for one key only the last counts."""
     last = {o.split("=", 1)[0]: i for i, o in enumerate(overrides)}

@@ -417,18 +417,6 @@ def verdicts(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> list[tuple]:
     return out
 
 
-def missing_runs(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> str:
-    """The planned runs without an artefact, per row: what a later run of this script adds."""
-    out = []
-    for r in s.rows:
-        have = set(cells.get(f"{s.name}/{r.tag}", {}))
-        todo = [k for k in r.seeds if k not in have]
-        if todo:
-            run = len(todo) > 1 and todo == list(range(todo[0], todo[-1] + 1))
-            out.append(f"{r.label} (seeds {f'{todo[0]}-{todo[-1]}' if run else ', '.join(map(str, todo))})")
-    return ("Planned runs not made yet: " + "; ".join(out) + ".\n\n") if out else ""
-
-
 def method_paragraph() -> str:
     return ("Every run ends with one final model after a fixed protocol (one-shot methods after their upload and "
             "server step; FuseFL, multi-round FedAvg and the calibrated rows after their fixed rounds), evaluated "
@@ -457,7 +445,7 @@ def build(settings: list[Setting], cells: dict[str, dict[int, rc.Run]], plots: P
         name = f"{DOC}_{s.name}{suffix}.png"
         if plots is not None:
             plot_accuracies(s, cells, plots / name)
-        missing_text = missing_runs(s, cells)
+        missing_text = rc.missing_runs(s, cells)
         sections.append(
             rc.setting_header(s) + "Rows:\n" + rc.rows_list(s, [r.tag for r in s.rows]) + "\n" + missing_text
             + "### Accuracy\n\n" + accuracy_table(s, cells) + f"\n![accuracies]({name})\n\n"
