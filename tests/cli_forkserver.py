@@ -77,3 +77,5 @@ def serve() -> None:
 
 if __name__ == "__main__":
     serve()
+    sys.stdout.flush()
+    os._exit(0)  # stdin closed: done; torch's interpreter shutdown would only delay the test's teardown

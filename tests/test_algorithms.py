@@ -19,6 +19,7 @@ def _strip(rows):
             for r in rows]
 
 
+@pytest.mark.slow
 def test_fedavg_digits_reaches_85_percent_within_30_rounds(make_config, tmp_path):
     cfg = make_config("algorithm=fedavg", "partition=dirichlet", "partition.alpha=0.5", "num_clients=100",
                       "clients_per_round=10", "rounds=30")
@@ -28,6 +29,7 @@ def test_fedavg_digits_reaches_85_percent_within_30_rounds(make_config, tmp_path
     assert summary["final_test_accuracy"] >= 0.85
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["fedprox", "scaffold"])
 def test_fedprox_and_scaffold_learn(make_config, tmp_path, algorithm):
     cfg = make_config(f"algorithm={algorithm}", "rounds=20")
@@ -85,6 +87,7 @@ def test_fedprox_pulls_clients_towards_the_global_model(make_config):
     assert drift[1.0] < drift[0.0]
 
 
+@pytest.mark.slow
 def test_scaffold_keeps_each_clients_control_variate_across_rounds(make_config):
     exp = build(make_config("algorithm=scaffold", "rounds=3", "num_clients=10", "clients_per_round=4"))
     exp.simulation.run()

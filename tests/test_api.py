@@ -41,6 +41,7 @@ def _results(summary: dict) -> dict:
     return {k: v for k, v in summary.items() if not is_timing_key(k) and k not in ("setup_time_s", "engine")}
 
 
+@pytest.mark.slow
 def test_the_example_gives_the_summary_of_the_same_cli_command(tmp_path):
     overrides = _example().OVERRIDES
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}

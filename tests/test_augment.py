@@ -253,6 +253,7 @@ def test_ssgd_applies_the_dataset_augmentation(tmp_path, monkeypatch):
     assert float((finals[0] - finals[1]).abs().max()) > 1e-4
 
 
+@pytest.mark.slow
 def test_a_flower_client_gets_the_augmentation():
     from fl_platform.flower import config as fc
     from fl_platform.flower.client_app import build_runtime

@@ -117,6 +117,7 @@ def test_early_stopping_runs_on_while_the_metric_improves():
     assert summary["rounds"] == 6 and "stop_reason" not in summary
 
 
+@pytest.mark.slow
 def test_run_dirs_and_summaries_name_the_plugins(tmp_path):
     proc = run_cli("rounds=1", "num_clients=4", "clients_per_round=2", "partition=iid", "algorithm=plugin",
                    "algorithm._target_=plugin_pkg.alg:SPEC", "dataset=custom", "dataset._target_=plugin_pkg.data:blobs",

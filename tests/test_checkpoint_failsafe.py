@@ -122,6 +122,7 @@ def test_nothing_to_fall_back_to_stops_with_a_clear_error(tmp_path):
     exp.engine.close()
 
 
+@pytest.mark.slow
 def test_cli_reports_an_unusable_checkpoint_without_a_traceback(tmp_path):
     run_dir = tmp_path / "run"
     run_experiment(compose_config(*ONE), run_dir)

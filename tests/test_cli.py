@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test runs the CLI in a process of its own
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -41,6 +41,8 @@ from fl_platform.training.schedule import LrSchedule
 
 from .conftest import compose_config
 
+pytestmark = pytest.mark.slow  # the exhaustive sweep: ~540 small runs (about 2 min on two workers)
+
 TINY = ("dataset=digits", "num_clients=3", "clients_per_round=3", "rounds=2",
         "train.epochs=1", "train.batch_size=64", "save_model=false", "seed=1", "engine.threads_per_worker=1",
         "partition.alpha=0.5", "logger.progress=false")

@@ -69,6 +69,7 @@ def hugging_face_datasets_installed() -> bool:
 @pytest.mark.skipif(
     not hugging_face_datasets_installed(), reason="Hugging Face datasets is not installed here"
 )
+@pytest.mark.slow
 def test_import_datasets_from_repo_root_is_hugging_face():
     result = run_python("import datasets, fl_platform.datasets.registry; print(datasets.__file__)")
     assert result.returncode == 0, result.stderr

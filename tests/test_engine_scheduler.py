@@ -156,6 +156,7 @@ def _slow_shares(rows: list[dict]) -> list[float]:
     return [row["sched_work"][1] / sum(row["sched_work"]) for row in rows]
 
 
+@pytest.mark.slow
 def test_lpt_learns_a_slow_worker_and_beats_round_robin_without_changing_results():
     # one worker, nothing slowed | 2 workers, worker 1 slowed 3x, LPT | the same, round-robin
     reference, lpt, rr = _interleaved((), (*SLOWED, "engine.scheduler=lpt"), (*SLOWED, "engine.scheduler=round_robin"))

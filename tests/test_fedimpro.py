@@ -248,6 +248,7 @@ def _final_weights(*overrides: str) -> torch.Tensor:
     return exp.simulation.server.weights
 
 
+@pytest.mark.slow
 def test_with_the_sampled_feature_term_weighted_zero_fedimpro_is_fedavg_up_to_rounding():
     """The control of docs/results/heterogeneity.md: w_fake = 0 leaves FedAvg's training.
 
@@ -278,6 +279,7 @@ def _assert_rows_close(rows_a: list[dict], rows_b: list[dict]) -> None:
             assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9), k
 
 
+@pytest.mark.slow
 def test_inline_worker_count_does_not_change_fedimpro():
     exp_one, one = _run("algorithm.aggregation=label_size", "engine.num_workers=1")
     exp_two, two = _run("algorithm.aggregation=label_size", "engine.num_workers=2")
@@ -337,6 +339,7 @@ def flower_equals_simulator(tmp_path, overrides: list[str]) -> None:
     assert summary["final_test_accuracy"] == pytest.approx(sim["final_test_accuracy"])
 
 
+@pytest.mark.slow
 def test_flower_run_equals_the_simulator(tmp_path):
     flower_equals_simulator(tmp_path, ["algorithm=fedimpro", "algorithm.aggregation=label_size",
                                        "algorithm.weight_max_rounds=1", "model=cnn", "model.channels=[8,16]",

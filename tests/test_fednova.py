@@ -119,6 +119,7 @@ def test_fednova_is_the_same_inline_and_on_ray(ray_session):
     assert ra[-1]["test_accuracy"] > 0.3
 
 
+@pytest.mark.slow
 def test_fednova_through_flower_equals_the_simulator(tmp_path):
     """The ServerApp/ClientApp carry FedNova's extra weight (n_i ||a_i||_1) and give the simulator's model."""
     from fl_platform.experiment import run_experiment

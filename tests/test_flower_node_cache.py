@@ -121,6 +121,7 @@ def test_a_folder_others_can_write_is_refused(tmp_path, builds):
     assert prepared(RUN, 0, folder)[1] == "off"  # the ClientApp goes on without a cache (logged)
 
 
+@pytest.mark.slow
 def test_the_entry_holds_the_clients_own_rows_only(tmp_path):
     """A real build on digits: the cached dataset is client 1's rows, in the simulator's order, no test set;
     the next build is a hit with the same data."""

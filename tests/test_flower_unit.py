@@ -48,6 +48,8 @@ from fl_platform.run_config import read_config
 from fl_platform.seeding import Stream, seed_torch_global
 from fl_platform.training.flat import FlatModel
 
+pytestmark = pytest.mark.slow  # most tests run Flower's server and client apps through whole rounds
+
 _spec = importlib.util.spec_from_file_location("flower_utils", Path(__file__).with_name("flower_utils.py"))
 flower_utils = sys.modules.setdefault("flower_utils", importlib.util.module_from_spec(_spec))
 if not hasattr(flower_utils, "LocalGrid"):

@@ -27,6 +27,7 @@ SHAPE = (1, 8, 8)
 
 
 pytestmark = [
+    pytest.mark.slow,  # one-shot methods train every client to the end, then distil
     pytest.mark.usefixtures("one_torch_thread"),  # tiny models: one torch thread (conftest)
     pytest.mark.xdist_group("oneshot"),  # one pytest worker: the clients in shared_cache train once
 ]

@@ -77,6 +77,7 @@ def test_plugins_on_ray_with_2_workers_equal_inline(ray_session):
     assert [r["update_norm"] for r in rows] == pytest.approx([r["update_norm"] for r in ref_rows], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_plugins_through_flower_in_process(tmp_path):
     from fl_platform.flower import config as fc
     from fl_platform.flower.local import run_local
@@ -94,6 +95,7 @@ def test_plugins_through_flower_in_process(tmp_path):
     assert summary["algorithm"] == sim["algorithm"] == "clipavg"
 
 
+@pytest.mark.slow
 def test_plugin_model_and_data_in_ssgd(tmp_path):
     """S-SGD (``python -m fl_platform.ssgd``: a world of one) trains the custom model on the custom data,
     the package found through PYTHONPATH; its config is as strict (an unknown model field is refused)."""
@@ -154,6 +156,7 @@ def test_an_installed_or_built_in_spec_given_to_the_api_is_itself(tmp_path, monk
         unregister_algorithm_option(name)
 
 
+@pytest.mark.slow  # composes every option of every group (export_config's defaults)
 def test_an_installed_plugin_leaves_the_exported_defaults_alone(installed_plugin):
     """default_run_config (pyproject's [tool.flwr.app.config]) lists the built-ins' keys only, whatever is
     installed: it never composes algorithm=<plug-in> (its fields travel in ``extra``)."""
@@ -169,6 +172,7 @@ def test_an_installed_plugin_leaves_the_exported_defaults_alone(installed_plugin
     assert exported == fc.pyproject_defaults()  # the committed defaults, unchanged by the installed plug-in
 
 
+@pytest.mark.slow
 def test_an_entry_point_plugins_own_fields_travel_through_flower_in_extra(installed_plugin, tmp_path):
     """algorithm=<installed plug-in> with its own field (and a custom model's and loader's) through the
     ServerApp + ClientApps in-process: the fields pyproject does not list go in the JSON key ``extra``, which

@@ -237,6 +237,7 @@ def _direct(kind: str, event: dpa.DpEvent, delta: float, relation=dpa.Neighborin
     return acc.get_epsilon(delta)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["poisson-rdp", "fixed-rdp", "poisson-pld", "all-rdp"])
 def test_epsilon_equals_dp_accounting_directly(case):
     n, k, z, rounds, delta = 1000, 50, 1.1, 40, 1e-5
@@ -295,6 +296,7 @@ def test_a_target_below_one_rounds_epsilon_is_refused_at_start_up():
         run(*DP, f"privacy.target_epsilon={one / 2}")
 
 
+@pytest.mark.slow
 def test_noise_multiplier_helper_meets_the_target_tightly():
     kwargs = dict(num_clients=1000, clients_per_round=50, sampling="poisson", accountant="rdp")
     z = noise_multiplier_for(2.0, 1e-5, 60, **kwargs)
@@ -356,6 +358,7 @@ FLOWER_DP = ("num_clients=5", "clients_per_round=5", "partition=iid", "privacy=c
              "privacy.noise_multiplier=0", "privacy.adaptive.enabled=true", "privacy.adaptive.count_stddev=0")
 
 
+@pytest.mark.slow
 def test_flower_dp_run_equals_the_simulator(tmp_path):
     """The in-process ServerApp/ClientApp path: clipping in the ClientApp, the server's step in the
     ServerApp's loop (the public denominator, adaptive C from the exact count)."""
@@ -431,6 +434,7 @@ def test_privacy_keys_are_refused_without_privacy_and_adaptive_without_central()
         build(compose_config(*COMMON, "privacy=local", "privacy.adaptive.enabled=true"))
 
 
+@pytest.mark.slow
 def test_baow_plain_and_pld_with_poisson_run_under_dp():
     _, rows, *_ = run(*DP, "algorithm=baow", "algorithm.aggregation=plain", "algorithm.rho0=0.2")
     assert "baow_coverage" not in rows[0] and rows[0]["dp_clipped_fraction"] == 1.0

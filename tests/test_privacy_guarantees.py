@@ -73,6 +73,7 @@ def _received(grid, node_id: int) -> list[tuple[dict, torch.Tensor]]:
     return out
 
 
+@pytest.mark.slow
 def test_a_client_cannot_regenerate_the_servers_noise_in_a_deployment(tmp_path):
     """The attack of issue 26: client 0 takes part in every round (K = N), so from two consecutive
     broadcasts it knows the step (S + noise) / K, S the sum of clipped updates (||S|| <= K C). If it
@@ -95,6 +96,7 @@ def test_a_client_cannot_regenerate_the_servers_noise_in_a_deployment(tmp_path):
         assert set(context) <= {"round", "seed", "num_rounds", "num_clients", "client_id"}, sorted(context)
 
 
+@pytest.mark.slow
 def test_a_client_cannot_compute_the_cohorts_from_the_seed_it_is_sent(tmp_path):
     """Every client is sent the run's seed (its minibatch order needs it). If the server drew the cohorts
     from it, any client could compute who takes part in every round (rounds/sampling.py), and the
@@ -114,6 +116,7 @@ def test_a_client_cannot_compute_the_cohorts_from_the_seed_it_is_sent(tmp_path):
     assert sum(cohorts[r] == from_seed[r] for r in range(rounds)) <= 1, "the cohorts follow from the seed"
 
 
+@pytest.mark.slow
 def test_the_server_cannot_regenerate_a_clients_local_noise_and_sees_nothing_else(tmp_path):
     """Local DP: the server has every reply and the seed. Regenerating a client's noise from
     (seed, PRIVACY, round, 1, client, 0) and subtracting it would leave its clipped update (norm <= C).
@@ -206,6 +209,7 @@ def _gaussian_exact_epsilon(mu: float, delta: float) -> float:
     return optimize.brentq(gap, 0.0, 10 * mu * mu + 50)
 
 
+@pytest.mark.slow
 def test_pld_with_every_client_in_every_round_is_the_replace_one_gaussian():
     """K = N, fixed-size: replace-one, the sum of clipped updates moves by up to 2C, noise std z C. Ten
     rounds are one Gaussian with sensitivity / std = 2 sqrt(10) / z: its exact epsilon, dp-accounting's

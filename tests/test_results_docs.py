@@ -22,6 +22,8 @@ from .conftest import compose_config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import results_common as rc  # scripts/ is not a package
 
+pytestmark = pytest.mark.slow  # most tests rebuild a results document from its artefacts
+
 # ----------------------------------------------------------------------------- the documents
 
 

@@ -105,6 +105,7 @@ class Reference:
 
 
 pytestmark = [
+    pytest.mark.slow,  # torchrun processes
     pytest.mark.usefixtures("one_torch_thread"),  # tiny models: one torch thread (conftest)
     pytest.mark.xdist_group("ssgd_dist"),  # one pytest worker: scenario_runs (a torchrun) runs once
 ]

@@ -17,6 +17,8 @@ import pytest
 from .conftest import REPO
 from .test_cli import run_cli
 
+pytestmark = pytest.mark.slow  # each sweep runs its jobs in processes (joblib, a Ray cluster)
+
 SWEEP = ("-m", "algorithm=fedavg,fedprox", "seed=0,1", "rounds=2", "num_clients=20", "clients_per_round=4",
          "train.epochs=1")
 RUN_FILES = ("config.yaml", "metrics.jsonl", "partition.npz", "model.pt", "summary.json")

@@ -34,6 +34,7 @@ from .test_fedimpro import flower_equals_simulator
 SPEC = VirtualDataSpec(seed=3, num_classes=4, samples_per_class=6, image_shape=(1, 28, 28), channels=16)
 
 
+@pytest.mark.slow
 def test_virtual_dataset_is_bit_identical_across_processes_and_thread_counts():
     data = generate_virtual_dataset(SPEC)
     code = textwrap.dedent(f"""
@@ -279,6 +280,7 @@ def test_paper_presets_compose(preset, dataset):
     assert (cfg.algorithm.virtual_batch_size, cfg.algorithm.generator_channels, cfg.rounds) == (128, 512, 1000)
 
 
+@pytest.mark.slow
 def test_flower_run_equals_the_simulator(tmp_path):
     flower_equals_simulator(tmp_path, ["algorithm=vhl", "algorithm.virtual_batch_size=8",
                                        "algorithm.samples_per_class=10", "algorithm.generator_channels=8",
