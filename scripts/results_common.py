@@ -770,28 +770,36 @@ def setting_header(s: Setting) -> str:
 
 def equal_compute_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str]) -> str:
     """Each row of ``tags`` against FedAvg given the same compute: FedAvg's ``LONG`` run read at the
-    evaluated round nearest (CPU seconds per round of the row / FedAvg's) x ``s.rounds``."""
+    evaluated round nearest (CPU seconds per round of the row / FedAvg's) x ``s.rounds``. A row's cost is
+    read from its runs made at a commit FedAvg's runs were made at (the same code, in the same sweep of the
+    shared machine: CPU time measured under another load is not comparable); a row without such runs is
+    left out and named."""
     runs = setting_runs(s, cells)
     long, fedavg = runs.get(LONG), runs.get("fedavg")
     if not long or not fedavg:
         return ""
     base_cost = cpu_per_round(fedavg.values())
+    sweeps = {run["stats"].get("commit") for run in fedavg.values()}
     eval_rounds = [r for r, _ in evaluations(next(iter(long.values())))]
-    rows = []
+    rows, left_out = [], []
     for tag in tags:
         r = runs.get(tag)
         if not r:
             continue
-        ratio = cpu_per_round(r.values()) / base_cost
+        timed = [run for run in r.values() if run["stats"].get("commit") in sweeps]
+        if not timed:
+            left_out.append(s.row(tag).label)
+            continue
+        ratio = cpu_per_round(timed) / base_cost
         r_eq = equal_compute_round(ratio, s.rounds, eval_rounds)
         acc = accuracies(r)
         at_eq = {seed: final_accuracy(run, upto_round=r_eq) for seed, run in sorted(long.items())}
         short = " (the long run's end: FedAvg gets less than equal compute)" if ratio * s.rounds > max(eval_rounds) + 1 else ""
         d = paired(acc, at_eq)
-        rows.append([s.row(tag).label, f"{ratio:.2f}", f"{r_eq}{short}",
+        rows.append([s.row(tag).label, f"{ratio:.2f} ({len(timed)} runs)", f"{r_eq}{short}",
                      fmt_mean(interval([at_eq[k] for k in sorted(set(acc) & set(at_eq))])), str(d.n), fmt_diff(d),
                      fmt_p(d), reading(d)])
-    header = ["algorithm", "CPU s per round / FedAvg's", "FedAvg's round of equal compute",
+    header = ["algorithm", "CPU s per round / FedAvg's (runs timed)", "FedAvg's round of equal compute",
               f"FedAvg there (last {K_LAST} evaluations)", "seeds", "algorithm minus FedAvg at equal compute",
               "p", "reading"]
     return (f"### Equal compute\n\nCompute per round: the median CPU seconds of a round without evaluation over a "
@@ -799,7 +807,10 @@ def equal_compute_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequ
             f"one torch thread; CPU time, unlike `round_time_s`, does not count the waiting on a shared machine). "
             f"FedAvg also runs {max(eval_rounds)} rounds (`{LONG}`, the same seeds); "
             f"a row that costs c times FedAvg per round is compared, seed by seed, with that run's mean of the last "
-            f"{K_LAST} evaluations up to round c x {s.rounds} (the nearest evaluated round). {_prefix_check(fedavg, long)}\n\n"
+            f"{K_LAST} evaluations up to round c x {s.rounds} (the nearest evaluated round). {_prefix_check(fedavg, long)} "
+            f"A row's cost is timed on its runs made at a commit of FedAvg's runs ({', '.join(sorted(c[:10] for c in sweeps))}): "
+            "the same sweep of the shared machine, whose load changes CPU time too (contention)."
+            + (f" Left out, no run timed in those sweeps: {', '.join(left_out)}." if left_out else "") + "\n\n"
             + md_table(header, rows))
 
 

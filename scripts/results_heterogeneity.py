@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""FedAvg, FedProx, SCAFFOLD, FedImpro and VHL under data heterogeneity -> docs/results/heterogeneity.md.
+"""FedAvg, FedProx, SCAFFOLD, FedNova, FedImpro and VHL under data heterogeneity -> docs/results/heterogeneity.md.
 
     nice -n 19 python scripts/results_heterogeneity.py --jobs 2        # run what is missing, write the document
     python scripts/results_heterogeneity.py --from-artefacts           # rebuild it from docs/results/data/ alone
@@ -9,7 +9,8 @@
 
 CPU settings: Fashion-MNIST with Dirichlet(0.1) label skew over 10 clients (5 per round, as in the
 papers) and FEMNIST with its natural writer partition (105 writers, 10 per round), a small CNN, 30
-rounds. Per setting: the main algorithms, the noise-floor control (FedAvg with only its minibatch
+rounds. Per setting: the main algorithms (10 seeds each; FedImpro and VHL are also paired with
+each of the papers' baselines FedProx, SCAFFOLD and FedNova), the noise-floor control (FedAvg with only its minibatch
 orders changed, ``train.shuffle_offset=1``), FedAvg run longer (equal-compute comparisons) and
 ablations that change one FedImpro or VHL setting at a time. The GPU preset (``--preset gpu``)
 runs the papers' main settings from ``conf/experiment/`` and writes heterogeneity_gpu.md with the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,8 +30,10 @@ sys.path.insert(0, str(REPO / "scripts"))
 import results_common as rc  # noqa: E402
 
 DOC = "heterogeneity"
-LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD", "fedimpro": "FedImpro", "vhl": "VHL"}
-MAIN = ["fedavg", "fedprox", "scaffold", "fedimpro", "vhl"]
+LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD", "fednova": "FedNova", "fedimpro": "FedImpro",
+          "vhl": "VHL"}
+MAIN = ["fedavg", "fedprox", "scaffold", "fednova", "fedimpro", "vhl"]
+BASELINES = ["fedprox", "scaffold", "fednova"]  # the papers' other baselines: FedImpro and VHL are paired with each
 NOISE, LONG = rc.NOISE, rc.LONG
 Row, Setting = rc.Row, rc.Setting
 MODEL = ["model=cnn", "model.channels=[16,32]", "model.hidden=64"]
@@ -49,7 +53,7 @@ def cpu_algorithm_overrides(dataset: str, rounds: int, batch: int, tiny: bool) -
     if tiny:
         vhl += ["algorithm.samples_per_class=20", "algorithm.generator_channels=16"]
     return {"fedavg": ["algorithm=fedavg"], "fedprox": ["algorithm=fedprox", "algorithm.mu=0.1"],
-            "scaffold": ["algorithm=scaffold"], "fedimpro": fedimpro, "vhl": vhl}
+            "scaffold": ["algorithm=scaffold"], "fednova": ["algorithm=fednova"], "fedimpro": fedimpro, "vhl": vhl}
 
 
 FMNIST, FEMNIST = ("fashion_mnist",), ("femnist",)
@@ -140,7 +144,8 @@ def cpu_settings(budget: str) -> list[Setting]:
     out = []
     for name, (title, overrides) in data.items():
         batch = int(next(o for o in overrides if o.startswith("train.batch_size=")).split("=")[1])
-        rows = [Row(a, LABELS[a], a, [], seeds10 if a in ("fedavg", "fedimpro", "vhl") else seeds5) for a in MAIN]
+        # 10 seeds for every main row: a verdict rests on FedImpro / VHL against each of them (README.md)
+        rows = [Row(a, LABELS[a], a, [], seeds10) for a in MAIN]
         rows += [rc.noise_row(seeds10),
                  Row(LONG, f"FedAvg, {long_rounds} rounds", "fedavg", [f"rounds={long_rounds}"], seeds10,
                      "FedAvg continued, read at the round of equal compute")]
@@ -229,6 +234,23 @@ def _upload_ratio(fedavg: dict[int, rc.Run]):
     return cell
 
 
+def baseline_verdicts(s: Setting, runs: dict[str, dict[int, rc.Run]]
+                      ) -> list[tuple[rc.PaperClaim, rc.Interval | None, str]]:
+    """FedImpro's and VHL's claims against each of the papers' other baselines (FedProx, SCAFFOLD, FedNova),
+    paired by seed: one verdict row per comparison the paper makes (its claim is over all four)."""
+    out = []
+    for alg in ("fedimpro", "vhl"):
+        claim = s.paper.get(alg)
+        if claim is None or claim.direction is None or not runs.get(alg):
+            continue
+        acc = rc.accuracies(runs[alg])
+        for base in BASELINES:
+            if runs.get(base):
+                out.append((replace(claim, algorithm=f"{claim.algorithm} vs {LABELS[base]} ({s.name})"),
+                            rc.paired(acc, rc.accuracies(runs[base])), LABELS[base]))
+    return out
+
+
 def build(settings: list[Setting], cells: dict[str, dict[int, rc.Run]], plots: Path | None, command: str,
           artefacts: Path) -> str:
     gpu = any(s.preset for s in settings)
@@ -242,17 +264,18 @@ def build(settings: list[Setting], cells: dict[str, dict[int, rc.Run]], plots: P
         tags = [t for t in [*MAIN, NOISE] if s.row(t)]
         table, diffs = rc.main_table(s, cells, tags, {"PredShift accuracy": _predshift,
                                                       "bytes up / FedAvg's": _upload_ratio(runs["fedavg"])})
-        verdicts += rc.verdict_rows(s, diffs, [t for t in MAIN if s.row(t)])
-        text = rc.setting_header(s) + "Rows:\n" + rc.rows_list(s, tags) + "\n" + table + "\n"
+        verdicts += rc.verdict_rows(s, diffs, [t for t in MAIN if s.row(t)]) + baseline_verdicts(s, runs)
+        text = (rc.setting_header(s) + "Rows:\n" + rc.rows_list(s, tags) + "\n" + rc.missing_runs(s, cells) + table
+                + "\n" + rc.fednova_note(runs))
         text += rc.plot_rows(s, cells, [t for t in MAIN if s.row(t)], plots, f"{DOC}_{s.name}{suffix}.png",
                              f"{s.name}: test accuracy, mean and 95% band over seeds")
-        eq = rc.equal_compute_table(s, cells, [t for t in ("fedprox", "scaffold", "fedimpro", "vhl") if s.row(t)])
+        eq = rc.equal_compute_table(s, cells, [t for t in ("fedprox", "scaffold", "fednova", "fedimpro", "vhl") if s.row(t)])
         abl = ablation_table(s, cells)
         if abl and any(runs.get(t) for t in ("fedimpro_T60", "fedimpro_T500")):
             abl += "\n" + rc.plot_rows(s, cells, ["fedavg", "fedimpro", "fedimpro_T60", "fedimpro_T500"], plots,
                                        f"{DOC}_T_{s.name}{suffix}.png", f"{s.name}: FedImpro's T, mean and 95% band")
         sections.append("\n".join(x for x in (text, eq, abl) if x))
-    title = "Data heterogeneity: FedAvg, FedProx, SCAFFOLD, FedImpro, VHL" + (" in the papers' settings (GPU)"
+    title = "Data heterogeneity: FedAvg, FedProx, SCAFFOLD, FedNova, FedImpro, VHL" + (" in the papers' settings (GPU)"
                                                                              if gpu else "")
     return (f"# {title}\n\n{rc.provenance(DOC, artefacts, cells, command)}\n\n{rc.method_paragraph()}\n\n"
             "## Verdict against the papers\n\n" + rc.verdict_table(verdicts) + "\n" + "\n".join(sections))

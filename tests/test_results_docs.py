@@ -413,3 +413,19 @@ def test_fednova_note_follows_the_logged_step_counts():
         {"fedavg": avg, "fednova": cell([10.0, 10.0], [0.5, 0.6])})
     assert "differ (tau_eff 8-12" in rc.fednova_note({"fedavg": avg, "fednova": cell([8.0, 12.0], [0.5, 0.6])})
     assert rc.fednova_note({"fedavg": avg}) == ""
+
+
+def test_equal_compute_times_a_row_on_runs_of_fedavgs_sweeps():
+    """CPU time measured under another load of the shared machine is not comparable: a row's cost comes from its
+    runs made at a commit of FedAvg's runs; a row with none is left out and named."""
+    def cell(commit, cost, rounds=4, seeds=range(3)):
+        rows = [{"round": r, "test_accuracy": 0.5 + 0.01 * r} for r in range(1, rounds + 1)]
+        return {k: {"name": f"s{k}", "rows": rows, "stats": {"commit": commit, "cpu_s": 1.0,
+                "row_cpu_s": [cost * i for i in range(rounds)]}} for k in seeds}
+    rows = [rc.Row(t, t.upper(), "fedavg", [], [0, 1, 2]) for t in ("fedavg", rc.LONG, "x", "y")]
+    s = rc.Setting("z", "z", ["dataset=digits"], 2, rows, {"fedavg": []})
+    x = {**cell("a", 2.0, seeds=[0]), **cell("late", 9.0, seeds=[1, 2])}  # seeds 1-2 timed under load
+    cells = {"z/fedavg": cell("a", 1.0), f"z/{rc.LONG}": cell("a", 1.0, rounds=8), "z/x": x, "z/y": cell("late", 1.0)}
+    text = rc.equal_compute_table(s, cells, ["x", "y"])
+    assert "| X | 2.00 (1 runs) | 4 |" in text
+    assert "Left out, no run timed in those sweeps: Y." in text and "| Y |" not in text
