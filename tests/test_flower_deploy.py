@@ -209,6 +209,7 @@ def test_a_supernode_killed_mid_run_does_not_stop_the_run(secure, tmp_path):
 # ---------------------------------------------------------------- checkpoint/resume
 
 
+@pytest.mark.xdist_group("own_federation")  # its own federation: may run beside the TLS one
 def test_a_flower_run_resumes_after_the_superlink_and_serverapp_are_killed(tmp_path):
     """2 SuperNodes, 2 rounds, checkpoint_every=1. Once round 1's checkpoint is published the SuperLink's
     process group (the ServerApp with it) and the SuperNodes are killed (SIGKILL); a fresh SuperLink and
@@ -276,6 +277,7 @@ def test_a_flower_run_resumes_after_the_superlink_and_serverapp_are_killed(tmp_p
 # ---------------------------------------------------------------- an installed plug-in
 
 
+@pytest.mark.xdist_group("own_federation")  # its own federation: may run beside the TLS one
 def test_an_entry_point_plugins_own_field_deploys_without_editing_pyproject(tmp_path, monkeypatch):
     """tests/plugin_pkg installed (an fl_platform.algorithms entry point, clip_ep) and on every process's path:
     its own field algorithm.max_norm and the custom loader's dataset.n travel in the run config's ``extra``
