@@ -248,19 +248,8 @@ def checks(t: Target) -> list[tuple[str, Callable[[], str]]]:
     def resume() -> str:
         from fl_platform.experiment import build, execute
 
-        class StopAfter:
-            """A reporter that interrupts the run (like Ctrl-C) once it has logged ``rounds`` rows."""
-
-            def __init__(self, rounds: int) -> None:
-                self.rounds, self.seen = rounds, 0
-
-            def round_done(self, row: dict) -> None:
-                self.seen += 1
-                if self.seen == self.rounds:
-                    raise KeyboardInterrupt
-
-            def close(self) -> None:
-                pass
+        sys.path.insert(0, str(REPO / "tests"))
+        from interrupt import StopAfter  # the resume tests' Ctrl-C reporter (plain Python)
 
         with tempfile.TemporaryDirectory() as tmp:
             overrides = base(t, "algorithm=scaffold", "rounds=3", "train.steps=2", "checkpoint_every=1", "engine=ray",

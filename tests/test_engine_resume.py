@@ -18,6 +18,7 @@ from fl_platform.experiment import build, run_experiment
 from fl_platform.rounds.simulation import is_timing_key
 
 from .conftest import REPO, compose_config
+from .interrupt import StopAfter
 
 ROUNDS = 8
 
@@ -116,21 +117,6 @@ def test_ray_distributed_state_resumes_in_process(ray_session, tmp_path):
     assert metric_rows(tmp_path / "run") == metric_rows(tmp_path / "ref")
 
 
-class _StopAfter:
-    """A reporter that interrupts the run once it has logged ``rounds`` rows (like Ctrl-C)."""
-
-    def __init__(self, rounds: int) -> None:
-        self.rounds, self.seen = rounds, 0
-
-    def round_done(self, row: dict) -> None:
-        self.seen += 1
-        if self.seen == self.rounds:
-            raise KeyboardInterrupt
-
-    def close(self) -> None:
-        pass
-
-
 @pytest.mark.ray
 def test_interrupted_ray_run_resumes_exactly(ray_session, tmp_path):
     """A Ray run interrupted after logging round 3 (checkpointed after round 2): the resumed run drops
@@ -139,7 +125,7 @@ def test_interrupted_ray_run_resumes_exactly(ray_session, tmp_path):
             "train.epochs=1", "clients_per_round=12", "engine.threads_per_worker=1")
     reference = run_experiment(compose_config(*base, "engine=inline"), tmp_path / "ref")
     common = (*base, "engine=ray", "engine.num_workers=1")
-    exp = build(compose_config(*common), tmp_path / "run", reporter=_StopAfter(3))
+    exp = build(compose_config(*common), tmp_path / "run", reporter=StopAfter(3))
     try:
         with pytest.raises(KeyboardInterrupt):
             exp.simulation.run()

@@ -31,7 +31,7 @@ from fl_platform.training.flat import FlatModel
 from fl_platform.training.loop import ClientData, LocalTrainer, TrainConfig
 
 from .conftest import compose_config
-from .test_engine_resume import _StopAfter
+from .interrupt import StopAfter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -360,7 +360,7 @@ def test_interrupted_run_resumes_to_the_same_client_metrics(tmp_path):
 
     base = (*SMALL, "algorithm=ditto", "eval.clients=all", "rounds=4", "eval_every=1", "checkpoint_every=2")
     run_experiment(compose_config(*base), tmp_path / "ref")
-    exp = build(compose_config(*base), tmp_path / "run", reporter=_StopAfter(3))
+    exp = build(compose_config(*base), tmp_path / "run", reporter=StopAfter(3))
     try:
         with pytest.raises(KeyboardInterrupt):
             exp.simulation.run()

@@ -22,8 +22,8 @@ from fl_platform.training.schedule import LrSchedule
 from fl_platform.training.vectorised import CohortMember, CohortTrainer
 
 from .conftest import compose_config
+from .interrupt import StopAfter
 from .test_engine_determinism import run
-from .test_engine_resume import _StopAfter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -94,7 +94,7 @@ def test_a_scheduled_run_resumes_to_the_uninterrupted_result(tmp_path):
     whole, rows = _run(*schedule)
     constant, _ = _run("rounds=4")
     assert not torch.equal(whole, constant)
-    exp = build(compose_config(*TINY, *schedule), tmp_path, reporter=_StopAfter(3))
+    exp = build(compose_config(*TINY, *schedule), tmp_path, reporter=StopAfter(3))
     try:
         with pytest.raises(KeyboardInterrupt):  # after round 3, checkpointed after round 2
             exp.simulation.run()
