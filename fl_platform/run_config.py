@@ -30,13 +30,9 @@ _DATASET_OWN = ("name", "root", "download", "augment")
 
 
 def options_of(node: Any, exclude: tuple[str, ...] = ("name",)) -> dict[str, Any]:
-    """The fields of a group section except ``exclude``, as plain Python values (enums as their values;
-    for a typed section also the user's own fields of an open option)."""
-    if isinstance(node, DictConfig):
-        data = OmegaConf.to_container(node, resolve=True, enum_to_str=True)
-    else:
-        data = vars(node)
-    return {k: plain(v) for k, v in data.items() if k not in exclude}
+    """The fields of a typed group section except ``exclude``, as plain Python values (enums as their
+    values), the user's own fields of an open option included."""
+    return {k: plain(v) for k, v in vars(node).items() if k not in exclude}
 
 
 def plain(value: Any) -> Any:
