@@ -24,6 +24,7 @@ from typing import Any
 
 from fl_platform.core import Broadcast, RoundContext
 from fl_platform.engine.ray_actors import RayWorker
+from fl_platform.engine.ray_placement import conf_value
 from fl_platform.engine.worker import Worker, _Round
 
 log = logging.getLogger(__name__)
@@ -43,23 +44,19 @@ class Faults:
         """The faults ``conf`` (``engine.fault_injection``: a mapping, a dataclass or None) asks for;
         None when it asks for none (then the engine builds plain workers). A ``slow_worker`` the run
         does not have is refused."""
-        def get(key: str, default: Any = None) -> Any:
-            value = conf.get(key, default) if hasattr(conf, "get") else getattr(conf, key, default)
-            return default if value is None else value
-
         if conf is None:
             return None
-        client, slow_worker = get("client"), get("slow_worker")
+        client, slow_worker = conf_value(conf, "client"), conf_value(conf, "slow_worker")
         if client is None and slow_worker is None:
             return None
         if slow_worker is not None and not 0 <= int(slow_worker) < num_workers:
             raise ValueError(f"engine.fault_injection.slow_worker={slow_worker} names no worker: the run has "
                              f"engine.num_workers={num_workers} (ids 0..{num_workers - 1})")
-        round_ = get("round")
+        round_ = conf_value(conf, "round")
         return cls(client=None if client is None else int(client),
                    round=None if round_ is None else int(round_) - 1,
                    slow_worker=None if slow_worker is None else int(slow_worker),
-                   slow_factor=float(get("slow_factor", 1.0)))
+                   slow_factor=float(conf_value(conf, "slow_factor", 1.0)))
 
 
 class FaultInjection:
