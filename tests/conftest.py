@@ -106,8 +106,12 @@ def _bare_data_root(request, monkeypatch, tmp_path_factory):
         empty = tmp_path_factory.getbasetemp() / "empty-data-root"
         empty.mkdir(exist_ok=True)
         monkeypatch.setenv(ENV_VAR, str(empty))
-    # In-process Flower nodes keep their node cache under $FLWR_HOME (fl_platform/flower/node_cache.py): the
-    # session's temporary folder, never the user's ~/.flwr.
+
+
+@pytest.fixture(autouse=True)
+def _private_flwr_home(monkeypatch, tmp_path_factory):
+    """In-process Flower nodes keep their node cache under ``$FLWR_HOME`` (fl_platform/flower/node_cache.py):
+    the session's temporary folder, never the user's ~/.flwr."""
     monkeypatch.setenv("FLWR_HOME", str(tmp_path_factory.getbasetemp() / "flwr-home"))
 
 

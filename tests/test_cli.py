@@ -15,13 +15,19 @@ pytestmark = pytest.mark.slow  # each test runs the CLI in a process of its own
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args: str, cwd: Path = REPO, timeout: int = 240) -> subprocess.CompletedProcess:
+def cli_call(args: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
+    """The CLI's arguments (progress bar off) and environment for ``args``, as the tests run it."""
     # tests/ on the path: tests/plugin_pkg is a user's package (the bad-input list's plug-ins).
     env = {**os.environ, "HYDRA_FULL_ERROR": "0", "PYTHONPATH": str(REPO / "tests")}
     flags = [a for a in args if a.startswith("-")]  # Hydra wants -m before the overrides
     overrides = [a for a in args if not a.startswith("-")]
-    return subprocess.run([sys.executable, "-m", "fl_platform.run", *flags, "logger.progress=false", *overrides],
-                          cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    return [*flags, "logger.progress=false", *overrides], env
+
+
+def run_cli(*args: str, cwd: Path = REPO, timeout: int = 240) -> subprocess.CompletedProcess:
+    argv, env = cli_call(args)
+    return subprocess.run([sys.executable, "-m", "fl_platform.run", *argv], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=env)
 
 
 class ForkServer:
@@ -34,9 +40,7 @@ class ForkServer:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def run(self, *args: str, tmp: Path, timeout: int = 240) -> subprocess.CompletedProcess:
-        env = {**os.environ, "HYDRA_FULL_ERROR": "0", "PYTHONPATH": str(REPO / "tests")}
-        flags = [a for a in args if a.startswith("-")]
-        argv = [*flags, "logger.progress=false", *[a for a in args if not a.startswith("-")]]
+        argv, env = cli_call(args)
         out, err = tmp / "cli.stdout", tmp / "cli.stderr"
         request = {"args": argv, "cwd": str(REPO), "env": env, "stdout": str(out), "stderr": str(err),
                    "timeout": timeout}
