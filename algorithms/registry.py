@@ -64,9 +64,9 @@ def algorithm_refs() -> dict[str, str]:
     return refs
 
 
-def algorithm_names() -> list[str]:
-    """Every name ``algorithm=<name>`` accepts (``plugin`` aside)."""
-    return sorted(set(algorithm_refs()) | set(_REGISTERED))
+def algorithm_names(refs: dict[str, str] | None = None) -> list[str]:
+    """Every name ``algorithm=<name>`` accepts (``plugin`` aside); ``refs`` as in :func:`get_algorithm`."""
+    return sorted(set(algorithm_refs() if refs is None else refs) | set(_REGISTERED))
 
 
 def builtin_algorithm_names() -> list[str]:
@@ -115,14 +115,15 @@ def check_spec(spec: AlgorithmSpec, where: str) -> None:
                           "without it the run would fail after the first round's training")
 
 
-def get_algorithm(name: str | AlgorithmSpec) -> AlgorithmSpec:
+def get_algorithm(name: str | AlgorithmSpec, refs: dict[str, str] | None = None) -> AlgorithmSpec:
     """The spec of algorithm ``name``; a spec is returned as it is (a setup carries its resolved spec
-    to the workers, so they never look a name up)."""
+    to the workers, so they never look a name up). ``refs``: :func:`algorithm_refs` when the caller
+    already has them (one scan of the installed distributions for many look-ups, not one each)."""
     if isinstance(name, AlgorithmSpec):
         return name
     if name in _REGISTERED:
         return _REGISTERED[name]
-    refs = algorithm_refs()
+    refs = algorithm_refs() if refs is None else refs
     if name not in refs:
         raise ValueError(f"unknown algorithm {name!r}; valid choices: {', '.join(algorithm_names())} (or "
                          f"algorithm={PLUGIN} algorithm._target_=<module>:SPEC for your own)")
