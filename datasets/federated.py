@@ -196,7 +196,8 @@ class FederatedDataset:
         """This dataset without its training features and test set, to ship apart from them.
 
         The Ray engine ships the features one object per block (``attach_training_features`` puts them
-        back on a worker) and keeps the test set on the driver, the only process that evaluates on it.
+        back on a worker); the test set stays with the driver's evaluation (or travels once to the worker
+        that evaluates: fl_platform/rounds/evaluation.py).
         """
         return replace(self, train_blocks=[], test_x=None, test_y=None)
 

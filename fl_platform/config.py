@@ -309,8 +309,9 @@ class EngineConf:
     # Clients a worker trains at once, vectorised (docs/vectorised.md): 1 = one by one; "auto" = as
     # many as fit in half of the worker's share of its device's memory. Validated by parse_cohort_size.
     cohort_size: Any = 1
-    # Where the driver evaluates: auto = inline: engine.device; ray: a GPU of the driver's node when the workers
-    # train on GPUs, else its CPU. cuda (ray: holds 0.1 of a GPU on the driver's node, so Ray accounts for it) or cpu.
+    # Where the global model is evaluated: auto = inline: engine.device; ray with GPU workers: a GPU of the driver's
+    # node, or worker 0's GPU when that node has none; ray with CPU workers: the driver's CPU. cuda (ray: holds 0.1
+    # of a GPU on the driver's node, so Ray accounts for it), cpu (the driver's), or worker (ray: worker 0's device).
     eval_device: str = "auto"
     start_timeout_s: float = 600.0  # ray: workers not started within this many seconds: an error naming what is missing
     # torch deterministic algorithms in every worker (cuDNN/cuBLAS too); an operation without a deterministic

@@ -70,8 +70,11 @@ def check_run(run: RunConfig) -> None:
         (engine.state_backend in ("memory", "disk"), "engine.state_backend",
          f"must be memory or disk; got {engine.state_backend!r}"),
         (engine.max_restarts >= 0, "engine.max_restarts", f"must be >= 0, got {engine.max_restarts}"),
-        (engine.eval_device in ("auto", "cpu") or engine.eval_device.split(":")[0] == "cuda", "engine.eval_device",
-         f"must be auto, cpu or cuda[:k]; got {engine.eval_device!r}"),
+        (engine.eval_device in ("auto", "cpu", "worker") or engine.eval_device.split(":")[0] == "cuda",
+         "engine.eval_device", f"must be auto, cpu, cuda[:k] or worker; got {engine.eval_device!r}"),
+        (engine.eval_device != "worker" or plain(engine.name) == "ray", "engine.eval_device",
+         f"worker evaluates on a Ray worker's device and needs engine=ray; engine={plain(engine.name)} evaluates "
+         f"in its own process (auto: on engine.device)"),
         (engine.start_timeout_s > 0, "engine.start_timeout_s", f"must be > 0, got {engine.start_timeout_s}"),
         (engine.threads_per_worker is None or engine.threads_per_worker >= 1, "engine.threads_per_worker",
          f"must be >= 1 (or null: engine.cpus_per_worker, 1 inline), got {engine.threads_per_worker}"),

@@ -209,6 +209,8 @@ def build(cfg: DictConfig | RunConfig, run_dir: Path | str | None = None, report
     sim.system = setup.system
     sim.privacy = privacy
     sim.round_end = round_end
+    if round_end is not None and round_end.validation is not None:
+        sim.evaluator.add("validation", *round_end.validation)
     if run.eval_clients != "none":
         sim.client_eval = ClientEvaluation(run.eval_clients, data.num_clients,
                                            rd.path / CLIENT_METRICS if rd is not None else None)

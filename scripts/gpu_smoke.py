@@ -19,7 +19,8 @@ pass really runs in bfloat16, and a run with ``train.channels_last`` trains, fin
 from fp32; ``train.compile`` on the CNN); ``ray-1-worker-per-gpu`` and ``ray-2-workers-per-gpu``
 (CUDA in every worker, one GPU id per worker, every GPU used and the workers spread evenly over the
 distinct GPU ids, the driver's evaluation on a GPU, equal to inline within GPU float tolerance,
-``worker_busy_frac`` printed); ``cohort-size-auto`` (vectorised cohorts sized from the worker's GPU
+``worker_busy_frac`` printed); ``worker-eval`` (``engine.eval_device=worker``: worker 0 evaluates
+on its GPU, the row equal to the driver's evaluation); ``cohort-size-auto`` (vectorised cohorts sized from the worker's GPU
 share, CNN); ``vmap-batchnorm`` (ResNet-18 with BatchNorm trained as a vmapped cohort on CUDA,
 the cohort path really taken, equal to one-by-one training within tolerance); ``scaffold-
 distributed-state``; ``deterministic`` (``engine.deterministic=true`` on Ray: two runs
@@ -186,12 +187,27 @@ def checks(t: Target) -> list[tuple[str, Callable[[], str]]]:
             where = check_eval(exp, t)
             diff = max_diff(exp.simulation.server.weights, ref)
             expect(diff < TOLERANCE, f"weights differ from inline by {diff:.2e} (> {TOLERANCE})")
+            if per_gpu == 1:
+                t.results["ray-test-loss"] = exp.simulation.history[-1]["test_loss"]
             busy = exp.simulation.history[-1]["worker_busy_frac"]  # (the last round evaluates: counted in)
             expect(0.0 < busy <= 1.0, f"worker_busy_frac {busy} outside (0, 1]")
             t.busy[f"ray-{per_gpu}-per-gpu"] = busy
             return (f"{workers} workers ({placed}) in {secs:.1f} s, max |w - inline| = {diff:.1e}, eval on {where}, "
                     f"worker_busy_frac {busy:.3f}")
         return check
+
+    def worker_eval() -> str:
+        """engine.eval_device=worker (what auto does when the driver's node has no GPU): worker 0 evaluates
+        on its device, and the row equals the driver's evaluation of ray-1-worker-per-gpu."""
+        ref = t.needs("ray-test-loss", "ray-1-worker-per-gpu")
+        exp, secs = run(base(t, "engine=ray", f"engine.num_workers={t.gpus}", "engine.eval_device=worker",
+                             *t.ray_device))
+        expect(exp.simulation.evaluator.where == "worker 0", f"evaluated on {exp.simulation.evaluator.where}")
+        device = exp.engine.describe_workers()[0]["device"]
+        expect(device.startswith(t.device), f"worker 0 evaluates on {device}, not on {t.device}")
+        loss = exp.simulation.history[-1]["test_loss"]
+        expect(abs(loss - ref) <= TOLERANCE * max(1.0, abs(ref)), f"test_loss {loss} on worker 0, {ref} on the driver")
+        return f"worker 0 on {device} evaluated in {secs:.1f} s: test_loss {loss:.5f} (driver: {ref:.5f})"
 
     def fail_loud() -> str:
         """Dry run only: Ray gives each worker a declared GPU, and this CPU-only torch must stop the run."""
@@ -367,6 +383,7 @@ def checks(t: Target) -> list[tuple[str, Callable[[], str]]]:
         out.append(("fail-loud", fail_loud))
     out.append(("ray-1-worker-per-gpu", ray(1)))
     out.append(("ray-2-workers-per-gpu", ray(2)))
+    out.append(("worker-eval", worker_eval))
     out.append(("cohort-size-auto", cohort_auto))
     out.append(("vmap-batchnorm", vmap_batchnorm))
     out.append(("scaffold-distributed-state", scaffold))

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fl_platform.algorithms.base import ServerAlgorithm
 from fl_platform.compression.uplink import contribution_sizes
 from fl_platform.core import Aggregate, Broadcast, RoundContext
 from fl_platform.engine.ray_placement import GpuGroup, Placement
@@ -79,6 +80,7 @@ class RayWorker(Worker):
         check_gpu_device(setup.device)
         setup.dataset.attach_training_features(blocks)
         super().__init__(worker_id, setup, options)
+        self._eval_sets: dict[str, tuple[str, Any, Any]] = {}  # name -> (object id, features, labels) here
 
     def store_options(self) -> dict[str, Any]:
         """``node_run`` (the run's id) asks for node-local folders: resolved here, on the node."""
@@ -102,7 +104,8 @@ class RayWorker(Worker):
 
         return {"node_id": node_id(), "code": fl_platform.__file__, "pid": os.getpid(),
                 "state_dir": str(self._node_dir) if self._node_dir is not None else None,
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], **self.describe()}
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "eval_sets": sorted(self._eval_sets),
+                **self.describe()}
 
     def name(self) -> str:
         return f"worker {self.worker_id} on node {node_id()[:12]}"
@@ -140,6 +143,19 @@ class RayWorker(Worker):
                                 expect: dict[int, int] | None) -> dict[int, dict[str, float]]:
         """``evaluate_clients``; the broadcast arrives packed (a view), the result is plain floats."""
         return self.evaluate_clients(ctx, broadcast, client_ids, expect)
+
+    def evaluate_global_ref(self, server: ServerAlgorithm, name: str, data: list[Any],
+                            batch_size: int) -> dict[str, float]:
+        """``evaluate_global`` on the set ``name``, whose object reference comes in ``data`` (in a list, so
+        Ray does not resolve it): fetched and moved to this worker's device on first use only."""
+        import ray
+
+        (ref,) = data
+        held = self._eval_sets.get(name)
+        if held is None or held[0] != ref.hex():
+            x, y = ray.get(ref)
+            held = self._eval_sets[name] = (ref.hex(), x.to(self.device), y.to(self.device))
+        return self.evaluate_global(server, held[1], held[2], batch_size)
 
     def export_states_packed(self, client_ids: list[int]) -> Packed:
         return Packed(self.export_states(client_ids))

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from fl_platform.algorithms.base import ServerAlgorithm
 from fl_platform.core import Aggregate, Broadcast, RoundContext
 from fl_platform.engine.faults import Faults
 from fl_platform.engine.ray_actors import START_TIMEOUT_S, ActorPool, hold_eval_gpu
@@ -51,6 +52,7 @@ from fl_platform.engine.ray_placement import (
     GpuGroup,
     conf_value,
     evaluates_on_gpu,
+    evaluates_on_worker,
     plan_placement,
     whole_gpus,
 )
@@ -60,10 +62,12 @@ from fl_platform.engine.transport import Packed, received_bytes
 from fl_platform.engine.worker import WorkerOptions
 from fl_platform.rounds.client_eval import assignment
 from fl_platform.rounds.engine import Engine, StateLost, WorkerResult
+from fl_platform.rounds.evaluation import DriverEvaluator, Evaluator
 from fl_platform.rounds.setup import ExperimentSetup
 from fl_platform.state.distributed import home_worker
 from fl_platform.state.gathered import iter_states, save_part, state_files
 from fl_platform.state.manifest import Manifest, MissingClientState, checked, stamp_of
+from fl_platform.training.flat import FlatModel
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +97,32 @@ def driver_cuda_device(gpu: int) -> torch.device:
     return torch.device(f"cuda:{ids.index(str(gpu)) if ids is not None else gpu}")
 
 
+class WorkerEvaluator:
+    """Evaluates the global model on worker 0 (``engine.eval_device=worker``, or ``auto`` with GPU workers and
+    no GPU on the driver's node): each set goes into the object store once and is moved to the worker's
+    device on its first use there; the server half travels at each evaluation, since its ``evaluate``
+    may read any of its state (the weights; VHL's, FuseFL's and the one-shot family's own). A worker
+    that died is replaced and the evaluation made again, as for a round (``engine.max_restarts``)."""
+
+    where = "worker 0"
+
+    def __init__(self, engine: RayEngine) -> None:
+        self.engine = engine
+        self.sets: dict[str, Any] = {}
+
+    def add(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.sets[name] = self.engine._ray.put(Packed((x.cpu(), y.cpu())))
+
+    def evaluate(self, server: ServerAlgorithm, name: str, batch_size: int) -> dict[str, float]:
+        ref, message = self.sets[name], Packed(server)
+
+        def calls() -> list[Any]:
+            return [self.engine.pool[0].evaluate_global_ref.remote(message, name, [ref], batch_size)]
+
+        (out,) = self.engine._get_all(calls, f"evaluating the global model on the {name} set")
+        return out
+
+
 class RayEngine(Engine):
     def __init__(self, setup: ExperimentSetup, cfg: Any) -> None:
         import ray
@@ -119,10 +149,12 @@ class RayEngine(Engine):
         driver_gpus = sum(whole_gpus([n for n in ray.nodes() if n["NodeID"] == driver]))
         gpu_workers = setup.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
         on_gpu = evaluates_on_gpu(eval_setting, gpu_workers, driver_gpus)
-        if eval_setting == "auto" and gpu_workers and not on_gpu:
-            log.warning("the workers train on GPUs but the driver's node has none: the driver evaluates on its CPU "
-                        "every eval_every rounds (eval_time_s in metrics.jsonl); raise eval_every, or run the "
-                        "driver on a GPU node")
+        # The driver's node has no GPU while the workers train on GPUs (or the user says so): worker 0
+        # evaluates on its device between rounds, never the driver's CPU (fl_platform/rounds/evaluation.py).
+        self.eval_on_worker = evaluates_on_worker(eval_setting, gpu_workers, driver_gpus)
+        if self.eval_on_worker and eval_setting == "auto":
+            log.info("the workers train on GPUs and the driver's node has none: worker 0 evaluates the global "
+                     "model on its GPU between rounds (eval_time_s in metrics.jsonl)")
         self.placement = plan_placement(cfg, setup.device, ray.cluster_resources(), eval_on_gpu=on_gpu,
                                         node_gpus=whole_gpus(ray.nodes()), driver_gpus=driver_gpus)
         if self.placement.uses_gpu:  # one bundle per GPU: every GPU used before any hosts two workers
@@ -394,6 +426,9 @@ class RayEngine(Engine):
             return out
 
         self._get_all(calls, f"saving client states after round {ctx.round + 1}")
+
+    def evaluator(self, model: FlatModel) -> Evaluator:
+        return WorkerEvaluator(self) if self.eval_on_worker else DriverEvaluator(model)
 
     def evaluate_clients(self, ctx: RoundContext, broadcast: Broadcast,
                          client_ids: list[int]) -> dict[int, dict[str, float]]:

@@ -76,6 +76,12 @@ def evaluates_on_gpu(eval_device: str, gpu_workers: bool, driver_gpus: int) -> b
     return eval_device == "cuda" or (eval_device == "auto" and gpu_workers and driver_gpus > 0)
 
 
+def evaluates_on_worker(eval_device: str, gpu_workers: bool, driver_gpus: int) -> bool:
+    """Whether worker 0 evaluates the global model (on its device, between rounds): ``worker``; or ``auto``
+    when the workers train on GPUs and the driver's node has none, rather than the driver's CPU."""
+    return eval_device == "worker" or (eval_device == "auto" and gpu_workers and driver_gpus == 0)
+
+
 def plan_placement(cfg: Any, device: str, resources: dict[str, float], eval_on_gpu: bool = False,
                    node_gpus: list[int] | None = None, driver_gpus: int | None = None) -> Placement:
     """Workers and per-worker resources for ``engine`` config ``cfg`` on a cluster with ``resources``

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fl_platform.algorithms.base import FedAvgCohort
+from fl_platform.algorithms.base import FedAvgCohort, ServerAlgorithm
 from fl_platform.algorithms.registry import get_algorithm
 from fl_platform.compression.uplink import make_uplink
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
@@ -113,6 +113,7 @@ class Worker:
         self._chunk_end = 0
         self._shares: dict[int, float] = {}
         self._per_client_bytes: int | None = None
+        self._eval_fm: FlatModel | None = None  # the global model's evaluation, when the engine asks for it here
 
     def store_options(self) -> dict[str, Any]:
         """``make_store``'s options for this worker's store."""
@@ -204,6 +205,15 @@ class Worker:
         if self.options.durable_rounds:
             self.store.flush()
         return applied
+
+    def evaluate_global(self, server: ServerAlgorithm, x: torch.Tensor, y: torch.Tensor,
+                        batch_size: int) -> dict[str, float]:
+        """``server.evaluate`` of the global model on ``(x, y)`` (on this worker's device), in a model of
+        its own: the training model's weights stay as the loop left them."""
+        if self._eval_fm is None:
+            with torch.random.fork_rng(devices=[]):  # its initial weights are overwritten: no run RNG drawn
+                self._eval_fm = FlatModel(self.setup.model(), self.device)
+        return server.evaluate(self._eval_fm, x, y, batch_size)
 
     def evaluate_clients(self, ctx: RoundContext, broadcast: Broadcast, client_ids: list[int],
                          expect: dict[int, int] | None = None) -> dict[int, dict[str, float]]:

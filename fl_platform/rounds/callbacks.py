@@ -143,11 +143,11 @@ class RoundEnd:
         self.validation = validation
 
     def evaluate(self, sim: Simulation) -> dict[str, float]:
-        """Validation metrics of the global model (early stopping), or {}."""
+        """Validation metrics of the global model (early stopping), or {}; the set is the evaluator's
+        ``validation`` (experiment.build hands it over)."""
         if self.validation is None:
             return {}
-        x, y = (t.to(sim.eval_model.device) for t in self.validation)
-        out = sim.server.evaluate(sim.eval_model, x, y, sim.loop.eval_batch_size)
+        out = sim.evaluator.evaluate(sim.server, "validation", sim.loop.eval_batch_size)
         return {"val_loss": out["test_loss"], "val_accuracy": out["test_accuracy"]}
 
     def stop_reason(self, sim: Simulation) -> str | None:

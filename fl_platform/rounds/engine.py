@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
+from fl_platform.rounds.evaluation import DriverEvaluator, Evaluator
+from fl_platform.training.flat import FlatModel
 
 State = dict[str, torch.Tensor]
 
@@ -92,6 +94,11 @@ class Engine(ABC):
     @abstractmethod
     def run_round(self, ctx: RoundContext, broadcast: Broadcast) -> list[WorkerResult]:
         """Train ``ctx.clients``; results are returned in worker-id order."""
+
+    def evaluator(self, model: FlatModel) -> Evaluator:
+        """Where the global model is evaluated (fl_platform/rounds/evaluation.py): by default on the
+        driver's ``model``; the Ray engine may evaluate on a worker instead."""
+        return DriverEvaluator(model)
 
     def evaluate_clients(self, ctx: RoundContext, broadcast: Broadcast,
                          client_ids: list[int]) -> dict[int, dict[str, float]]:

@@ -89,9 +89,9 @@ class Simulation:
         self.loop = loop
         self.server = server
         self.engine = engine
-        self.eval_model = eval_model
-        self.test_x = data.test_x.to(eval_model.device)
-        self.test_y = data.test_y.to(eval_model.device)
+        self.eval_model = eval_model  # the driver's copy (model.pt, callbacks); evaluation goes through:
+        self.evaluator = engine.evaluator(eval_model)
+        self.evaluator.add("test", data.test_x, data.test_y)
         self.num_clients = data.num_clients
         self.metrics = metrics
         self.reporter = reporter
@@ -101,7 +101,7 @@ class Simulation:
         self.rollbacks: dict[int, int] = {}  # checkpoint round -> times rolled back to it
 
     def evaluate(self) -> dict[str, float]:
-        return self.server.evaluate(self.eval_model, self.test_x, self.test_y, self.loop.eval_batch_size)
+        return self.evaluator.evaluate(self.server, "test", self.loop.eval_batch_size)
 
     def run_round(self, r: int) -> dict[str, Any]:
         t0 = time.perf_counter()
