@@ -94,7 +94,7 @@ class _Interrupt:
         pass
 
 
-def interrupted(run_dir, *overrides: str) -> None:
+def interrupted(run_dir, *overrides: str):
     exp = build(compose_config(*COMMON, *overrides), run_dir)
     exp.simulation.reporter = _Interrupt()
     try:
@@ -102,6 +102,34 @@ def interrupted(run_dir, *overrides: str) -> None:
             exp.simulation.run()
     finally:
         exp.engine.close()
+    return exp
+
+
+@pytest.mark.ray
+def test_checkpoint_parts_are_written_by_the_nodes_that_see_the_folder(ray_session, tmp_path, monkeypatch):
+    """Every home worker whose node sees the checkpoint folder writes its own parts: on one node no client
+    state goes through the driver. A node that does not see it (no probe file: here, the driver leaves
+    none) has its parts gathered by the driver: the same parts, byte counts logged."""
+    from fl_platform.engine import ray_engine
+
+    def parts(run_dir):
+        found = sorted((run_dir / "checkpoint").glob("round-*/client_state/part-*.pt"))
+        return {p.name: torch.load(p, weights_only=True) for p in found}, sum(p.stat().st_size for p in found)
+
+    ray2 = ("engine=ray", "engine.num_workers=2")
+    by_nodes = interrupted(tmp_path / "nodes", *ray2)
+    written, nbytes = parts(tmp_path / "nodes")
+    assert len(written) == 2 and nbytes > 0 and by_nodes.engine.checkpoint_driver_bytes == 0
+    assert not list((tmp_path / "nodes" / "checkpoint").glob("round-*/client_state/.reach-*"))  # probe removed
+    monkeypatch.setattr(ray_engine, "leave_probe", lambda directory: Path("client_state") / ".reach-absent")
+    by_driver = interrupted(tmp_path / "driver", *ray2)
+    gathered, nbytes_driver = parts(tmp_path / "driver")
+    assert by_driver.engine.checkpoint_driver_bytes == nbytes_driver > 0
+    assert gathered.keys() == written.keys()
+    for name in written:
+        assert written[name].keys() == gathered[name].keys()
+        for cid in written[name]:
+            assert all(torch.equal(written[name][cid][k], gathered[name][cid][k]) for k in written[name][cid])
 
 
 @pytest.mark.ray

@@ -27,6 +27,8 @@ from fl_platform.engine.ray_placement import GpuGroup, Placement
 from fl_platform.engine.transport import Packed
 from fl_platform.engine.worker import Worker, WorkerOptions
 from fl_platform.state.distributed import home_worker
+from fl_platform.state.gathered import part_path, save_part
+from fl_platform.state.manifest import MissingClientState, checked
 from fl_platform.state.nodes import node_state_dir
 from fl_platform.state.store import State
 
@@ -156,6 +158,28 @@ class RayWorker(Worker):
             x, y = ray.get(ref)
             held = self._eval_sets[name] = (ref.hex(), x.to(self.device), y.to(self.device))
         return self.evaluate_global(server, held[1], held[2], batch_size)
+
+    def write_checkpoint_parts(self, directory: str, probe: str, chunks: list[list[int]], expect: dict[int, int],
+                               round: int) -> int | None:
+        """This home's states of ``chunks`` (one part each) written by this process into the checkpoint folder
+        ``directory``, checked against the manifest's ``expect`` first, when this node sees that folder: the
+        driver left the file ``probe`` in it (this is its node, or the folder is on a filesystem every node
+        shares). None when this node does not see it: the driver then gathers the states. Returns the bytes
+        written."""
+        folder = Path(directory)
+        if not (folder / probe).is_file():
+            return None
+        written = 0
+        for index, chunk in enumerate(chunks):
+            states = self.export_states(chunk)
+            for cid in chunk:
+                try:
+                    checked(cid, states.get(cid), expect, self.name())
+                except MissingClientState as err:
+                    raise MissingClientState(err.client_id, err.round, f"checkpoint after round {round}: {err}") from None
+            save_part(folder, self.worker_id, index, states)
+            written += part_path(folder, self.worker_id, index).stat().st_size
+        return written
 
     def export_states_packed(self, client_ids: list[int]) -> Packed:
         return Packed(self.export_states(client_ids))

@@ -65,7 +65,7 @@ from fl_platform.rounds.engine import Engine, StateLost, WorkerResult
 from fl_platform.rounds.evaluation import DriverEvaluator, Evaluator
 from fl_platform.rounds.setup import ExperimentSetup
 from fl_platform.state.distributed import home_worker
-from fl_platform.state.gathered import iter_states, save_part, state_files
+from fl_platform.state.gathered import FOLDER, iter_states, part_path, save_part, state_files
 from fl_platform.state.manifest import Manifest, MissingClientState, checked, stamp_of
 from fl_platform.training.flat import FlatModel
 
@@ -95,6 +95,15 @@ def driver_cuda_device(gpu: int) -> torch.device:
         raise RuntimeError(f"Ray reserved GPU {gpu} for the driver's evaluation, but this process sees only "
                            f"CUDA_VISIBLE_DEVICES={visible}")
     return torch.device(f"cuda:{ids.index(str(gpu)) if ids is not None else gpu}")
+
+
+def leave_probe(directory: Path) -> Path:
+    """A new empty file in the client-state folder of checkpoint ``directory`` (returned relative to it): a
+    worker that finds it knows its node sees the folder and writes its parts there itself."""
+    probe = Path(FOLDER) / f".reach-{uuid.uuid4().hex}"
+    (directory / probe).parent.mkdir(parents=True, exist_ok=True)
+    (directory / probe).write_bytes(b"")
+    return probe
 
 
 class WorkerEvaluator:
@@ -217,6 +226,7 @@ class RayEngine(Engine):
         self._loaded: dict[str, Any] | None = None  # a checkpoint's client_states, until restore_state
         self._lost: str | None = None  # why states were lost: no round runs until restore_state
         self._stats: dict[str, Any] = {}
+        self.checkpoint_driver_bytes: int | None = None  # client-state bytes the last checkpoint sent through the driver
 
     def _options(self, worker_id: int) -> WorkerOptions:
         return WorkerOptions(
@@ -470,22 +480,49 @@ class RayEngine(Engine):
             self._gather(Path(directory), round)
 
     def _gather(self, directory: Path, round: int) -> None:
-        """Every home's states, checked against the manifest, into ``directory`` (a part at a time)."""
+        """Every home's states, checked against the manifest, into ``directory`` (a part of at most
+        PART_BYTES at a time): each home worker writes its own parts when its node sees the folder (the
+        driver's node, or a filesystem the nodes share: the driver leaves a probe file there and each
+        worker looks for it); the driver gathers the others' through the object store
+        (``checkpoint_driver_bytes``, logged per checkpoint)."""
         per_part = max(1, PART_BYTES // max(self.state_nbytes, 1))
-        homes: dict[int, list[int]] = {}
+        homes: dict[int, list[list[int]]] = {}
+        cids_of: dict[int, list[int]] = {}
         for cid in sorted(self.manifest.rounds):
-            homes.setdefault(home_worker(cid, self.num_workers), []).append(cid)
-        for home, cids in sorted(homes.items()):
-            for index, start in enumerate(range(0, len(cids), per_part)):
-                chunk = cids[start : start + per_part]
-                (states,) = self._get_all(lambda h=home, c=chunk: [self.pool[h].export_states_packed.remote(c)],
-                                          f"checkpoint after round {round}")
-                try:
-                    for cid in chunk:
-                        checked(cid, states.get(cid), self.manifest.rounds, self.pool.node_name(home))
-                except MissingClientState as err:
-                    self._mark_lost(f"checkpoint after round {round}: {err}", err)
-                save_part(directory, home, index, states)
+            cids_of.setdefault(home_worker(cid, self.num_workers), []).append(cid)
+        for home, cids in cids_of.items():
+            homes[home] = [cids[s : s + per_part] for s in range(0, len(cids), per_part)]
+        probe = leave_probe(directory)
+        try:
+            order = sorted(homes)
+            written = self._get_all(lambda: [self.pool[h].write_checkpoint_parts.remote(
+                str(directory), str(probe), homes[h], self.manifest.expected(cids_of[h]), round) for h in order],
+                f"checkpoint after round {round}")
+        finally:
+            (directory / probe).unlink(missing_ok=True)
+        through_driver = 0
+        for home, done in zip(order, written):
+            if done is None:  # its node does not see the folder
+                through_driver += self._gather_home(directory, round, home, homes[home])
+        self.checkpoint_driver_bytes = through_driver
+        log.info("checkpoint after round %d: client states of %d home workers written by their nodes, %d through "
+                 "the driver (%d bytes)", round, sum(w is not None for w in written),
+                 sum(w is None for w in written), through_driver)
+
+    def _gather_home(self, directory: Path, round: int, home: int, chunks: list[list[int]]) -> int:
+        """``home``'s states through the driver into ``directory``; returns the bytes written."""
+        nbytes = 0
+        for index, chunk in enumerate(chunks):
+            (states,) = self._get_all(lambda c=chunk: [self.pool[home].export_states_packed.remote(c)],
+                                      f"checkpoint after round {round}")
+            try:
+                for cid in chunk:
+                    checked(cid, states.get(cid), self.manifest.rounds, self.pool.node_name(home))
+            except MissingClientState as err:
+                self._mark_lost(f"checkpoint after round {round}: {err}", err)
+            save_part(directory, home, index, states)
+            nbytes += part_path(directory, home, index).stat().st_size
+        return nbytes
 
     def commit_state(self, round: int) -> None:
         if self.stateful and self.shared:

@@ -1,7 +1,8 @@
 """Client states gathered into a checkpoint folder, whatever held them while the run was going.
 
-The Ray engine keeps states on the nodes of their home workers; a checkpoint gathers them through
-the object store to the driver and writes them here, in parts of bounded size, so a resumed run
+The Ray engine keeps states on the nodes of their home workers; a checkpoint writes them here, in
+parts of bounded size (each home worker its own where its node sees this folder, the driver those
+it gathers through the object store from the others), so a resumed run
 restores them exactly on any set of nodes (and any number of workers: each state goes to its new
 home). The in-process memory stores' checkpoint files (``client_state.pt``, one per home worker
 ``client_state-worker-<w>.pt``) hold the same ``{client id: state}`` dictionaries, so either engine
