@@ -109,7 +109,8 @@ def interrupted(run_dir, *overrides: str):
 def test_checkpoint_parts_are_written_by_the_nodes_that_see_the_folder(ray_session, tmp_path, monkeypatch):
     """Every home worker whose node sees the checkpoint folder writes its own parts: on one node no client
     state goes through the driver. A node that does not see it (no probe file: here, the driver leaves
-    none) has its parts gathered by the driver: the same parts, byte counts logged."""
+    none) has its parts gathered by the driver: the same parts, byte counts logged. Restoring them the same:
+    each home worker reads its own part, or the driver reads them all and sends them."""
     from fl_platform.engine import ray_engine
 
     def parts(run_dir):
@@ -121,7 +122,7 @@ def test_checkpoint_parts_are_written_by_the_nodes_that_see_the_folder(ray_sessi
     written, nbytes = parts(tmp_path / "nodes")
     assert len(written) == 2 and nbytes > 0 and by_nodes.engine.checkpoint_driver_bytes == 0
     assert not list((tmp_path / "nodes" / "checkpoint").glob("round-*/client_state/.reach-*"))  # probe removed
-    monkeypatch.setattr(ray_engine, "leave_probe", lambda directory: Path("client_state") / ".reach-absent")
+    monkeypatch.setattr(ray_engine, "leave_probe", lambda directory, sub="": Path(sub) / ".reach-absent")
     by_driver = interrupted(tmp_path / "driver", *ray2)
     gathered, nbytes_driver = parts(tmp_path / "driver")
     assert by_driver.engine.checkpoint_driver_bytes == nbytes_driver > 0
@@ -130,6 +131,24 @@ def test_checkpoint_parts_are_written_by_the_nodes_that_see_the_folder(ray_sessi
         assert written[name].keys() == gathered[name].keys()
         for cid in written[name]:
             assert all(torch.equal(written[name][cid][k], gathered[name][cid][k]) for k in written[name][cid])
+    # Resumed: with the probe (still patched away) the driver reads the parts and sends them to the homes;
+    # without, each home worker reads its own part. Both end where the other does.
+    through_driver = resume(tmp_path / "driver", *ray2)
+    monkeypatch.undo()
+    by_nodes = resume(tmp_path / "nodes", *ray2)
+    assert by_nodes.engine.restore_driver_bytes == 0
+    assert through_driver.engine.restore_driver_bytes == nbytes_driver
+    assert torch.equal(by_nodes.simulation.server.weights, through_driver.simulation.server.weights)
+    assert results(tmp_path / "nodes") == results(tmp_path / "driver")
+
+
+def resume(run_dir, *overrides: str):
+    exp = build(compose_config(*COMMON, *overrides), run_dir)
+    try:
+        exp.simulation.run()
+    finally:
+        exp.engine.close()
+    return exp
 
 
 @pytest.mark.ray

@@ -27,7 +27,7 @@ from fl_platform.engine.ray_placement import GpuGroup, Placement
 from fl_platform.engine.transport import Packed
 from fl_platform.engine.worker import Worker, WorkerOptions
 from fl_platform.state.distributed import home_worker
-from fl_platform.state.gathered import part_path, save_part
+from fl_platform.state.gathered import checked_stamp, iter_states, part_path, save_part
 from fl_platform.state.manifest import MissingClientState, checked
 from fl_platform.state.nodes import node_state_dir
 from fl_platform.state.store import State
@@ -180,6 +180,24 @@ class RayWorker(Worker):
             save_part(folder, self.worker_id, index, states)
             written += part_path(folder, self.worker_id, index).stat().st_size
         return written
+
+    def read_checkpoint_parts(self, directory: str, probe: str, files: list[str],
+                              expect: dict[int, int] | None) -> dict[int, int] | None:
+        """The states of this worker's home clients in the checkpoint ``files`` into its store, read by this
+        process when its node sees the checkpoint folder ``directory`` (the driver left the file ``probe``
+        in it), else None (the driver then reads and sends them). Each state must carry the round the
+        manifest's ``expect`` lists for it (this home's clients; None: a checkpoint without a manifest,
+        whose stamps stand). Returns {client: round} of the states stored."""
+        if not (Path(directory) / probe).is_file():
+            return None
+        found: dict[int, int] = {}
+        for part in iter_states([Path(f) for f in files]):
+            mine = {cid: state for cid, state in part.items() if home_worker(cid, self.options.num_workers)
+                    == self.worker_id}
+            for cid, state in mine.items():
+                found[cid] = checked_stamp(directory, cid, state, expect)
+            self.put_states(mine)
+        return found
 
     def export_states_packed(self, client_ids: list[int]) -> Packed:
         return Packed(self.export_states(client_ids))

@@ -65,8 +65,8 @@ from fl_platform.rounds.engine import Engine, StateLost, WorkerResult
 from fl_platform.rounds.evaluation import DriverEvaluator, Evaluator
 from fl_platform.rounds.setup import ExperimentSetup
 from fl_platform.state.distributed import home_worker
-from fl_platform.state.gathered import FOLDER, iter_states, part_path, save_part, state_files
-from fl_platform.state.manifest import Manifest, MissingClientState, checked, stamp_of
+from fl_platform.state.gathered import FOLDER, checked_stamp, iter_states, part_path, save_part, state_files
+from fl_platform.state.manifest import Manifest, MissingClientState, checked
 from fl_platform.training.flat import FlatModel
 
 log = logging.getLogger(__name__)
@@ -97,10 +97,10 @@ def driver_cuda_device(gpu: int) -> torch.device:
     return torch.device(f"cuda:{ids.index(str(gpu)) if ids is not None else gpu}")
 
 
-def leave_probe(directory: Path) -> Path:
-    """A new empty file in the client-state folder of checkpoint ``directory`` (returned relative to it): a
-    worker that finds it knows its node sees the folder and writes its parts there itself."""
-    probe = Path(FOLDER) / f".reach-{uuid.uuid4().hex}"
+def leave_probe(directory: Path, sub: str = "") -> Path:
+    """A new empty file in ``directory``'s subfolder ``sub`` (returned relative to ``directory``): a worker that
+    finds it knows its node sees the folder, and writes or reads checkpoint parts there itself."""
+    probe = Path(sub) / f".reach-{uuid.uuid4().hex}"
     (directory / probe).parent.mkdir(parents=True, exist_ok=True)
     (directory / probe).write_bytes(b"")
     return probe
@@ -227,6 +227,7 @@ class RayEngine(Engine):
         self._lost: str | None = None  # why states were lost: no round runs until restore_state
         self._stats: dict[str, Any] = {}
         self.checkpoint_driver_bytes: int | None = None  # client-state bytes the last checkpoint sent through the driver
+        self.restore_driver_bytes: int | None = None  # and the last restore (resume, rollback) read on the driver
 
     def _options(self, worker_id: int) -> WorkerOptions:
         return WorkerOptions(
@@ -492,7 +493,7 @@ class RayEngine(Engine):
             cids_of.setdefault(home_worker(cid, self.num_workers), []).append(cid)
         for home, cids in cids_of.items():
             homes[home] = [cids[s : s + per_part] for s in range(0, len(cids), per_part)]
-        probe = leave_probe(directory)
+        probe = leave_probe(directory, FOLDER)
         try:
             order = sorted(homes)
             written = self._get_all(lambda: [self.pool[h].write_checkpoint_parts.remote(
@@ -545,7 +546,7 @@ class RayEngine(Engine):
             return
         manifest = Manifest.from_state_dict(loaded["manifest"]) if loaded is not None else None
         if files:
-            self.manifest = self._import(directory, files, manifest)
+            self.manifest = self._import(directory, files, manifest, (loaded or {}).get("homes"))
         elif self.shared:  # the folder's own checkpoint, compared with the manifest
             self._get_all(lambda: [self.pool[0].restore_state.remote(str(directory), round)], "restoring client states")
             (stored,) = self._get_all(lambda: [self.pool[0].stored_rounds.remote()], "restoring client states")
@@ -563,24 +564,47 @@ class RayEngine(Engine):
                     "engine.state_dir")
             raise RuntimeError(f"checkpoint {directory} holds no client states, and this run keeps some; {hint}")
 
-    def _import(self, directory: Path, files: list[Path], manifest: Manifest | None) -> Manifest:
+    def _import(self, directory: Path, files: list[Path], manifest: Manifest | None,
+                homes_then: int | None = None) -> Manifest:
         """Load a checkpoint's states into their homes (or the shared folder); every state must carry
-        the round its manifest lists (without a manifest, an in-process engine's checkpoint: its stamps)."""
-        found = Manifest()
-        for part in iter_states(files):
-            routed: dict[int, dict[int, Any]] = {}
-            for cid, state in part.items():
-                got = stamp_of(state)
-                want = manifest.rounds.get(cid) if manifest is not None else got
-                if got is None or got != want:
-                    raise RuntimeError(
-                        f"checkpoint {directory}: client {cid}'s state is "
-                        f"{'without a round stamp' if got is None else f'from round {got + 1}'}, its manifest lists "
-                        f"{'none' if want is None else f'round {want + 1}'}; it cannot be restored exactly")
-                found.rounds[cid] = got
-                routed.setdefault(0 if self.shared else home_worker(cid, self.num_workers), {})[cid] = state
-            self._get_all(lambda r=routed: [self.pool[h].put_states.remote(Packed(s)) for h, s in r.items()],
-                          "restoring client states")
+        the round its manifest lists (without a manifest, an in-process engine's checkpoint: its stamps).
+        Each home worker reads its own states when its node sees the checkpoint folder (only its own
+        parts when the checkpoint had as many homes, ``homes_then``); otherwise the driver reads every
+        part and sends each state to its home (``restore_driver_bytes``)."""
+        directory, found = Path(directory), Manifest()
+        read: list[dict[int, int] | None] = [None]  # the driver reads, unless every home's node sees the folder
+        if not self.shared:
+            W = self.num_workers
+            names = [str(f) for f in files]
+
+            def own(h: int) -> list[str]:
+                return [n for n in names if Path(n).name.startswith(f"part-{h:05d}-")] if homes_then == W else names
+
+            def expect(h: int) -> dict[int, int] | None:
+                return None if manifest is None else {
+                    c: r for c, r in manifest.rounds.items() if home_worker(c, W) == h}
+
+            probe = leave_probe(directory)
+            try:
+                read = self._get_all(lambda: [self.pool[h].read_checkpoint_parts.remote(
+                    str(directory), str(probe), own(h), expect(h)) for h in range(W)], "restoring client states")
+            finally:
+                (directory / probe).unlink(missing_ok=True)
+        if all(r is not None for r in read):
+            for r in read:
+                found.rounds.update(r or {})
+            self.restore_driver_bytes = 0
+        else:  # (states some workers stored already are put again, the same)
+            self.restore_driver_bytes = sum(f.stat().st_size for f in files)
+            for part in iter_states(files):
+                routed: dict[int, dict[int, Any]] = {}
+                for cid, state in part.items():
+                    found.rounds[cid] = checked_stamp(directory, cid, state, None if manifest is None
+                                                      else manifest.rounds)
+                    routed.setdefault(0 if self.shared else home_worker(cid, self.num_workers), {})[cid] = state
+                self._get_all(lambda r=routed: [self.pool[h].put_states.remote(Packed(s)) for h, s in r.items()],
+                              "restoring client states")
+        log.info("client states restored from %s: %d bytes read by the driver", directory, self.restore_driver_bytes)
         if manifest is not None and manifest.rounds.keys() - found.rounds.keys():
             missing = sorted(manifest.rounds.keys() - found.rounds.keys())
             raise RuntimeError(f"checkpoint {directory} lacks the states of {len(missing)} clients its manifest "
@@ -589,7 +613,7 @@ class RayEngine(Engine):
 
     def state_dict(self) -> dict[str, Any]:
         return {"scheduler": self.scheduler.state_dict(),
-                "client_states": {"layout": "folder" if self.shared else "gathered",
+                "client_states": {"layout": "folder" if self.shared else "gathered", "homes": self.num_workers,
                                   "manifest": self.manifest.state_dict()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

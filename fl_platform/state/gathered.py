@@ -2,7 +2,7 @@
 
 The Ray engine keeps states on the nodes of their home workers; a checkpoint writes them here, in
 parts of bounded size (each home worker its own where its node sees this folder, the driver those
-it gathers through the object store from the others), so a resumed run
+it gathers through the object store from the others; a restore reads them the same way), so a resumed run
 restores them exactly on any set of nodes (and any number of workers: each state goes to its new
 home). The in-process memory stores' checkpoint files (``client_state.pt``, one per home worker
 ``client_state-worker-<w>.pt``) hold the same ``{client id: state}`` dictionaries, so either engine
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from fl_platform.state.manifest import stamp_of
 from fl_platform.state.store import State
 
 FOLDER = "client_state"
@@ -42,6 +43,19 @@ def state_files(directory: Path | None) -> list[Path]:
     if parts:
         return parts
     return sorted(p for p in (d / "client_state.pt", *d.glob("client_state-worker-*.pt")) if p.is_file())
+
+
+def checked_stamp(directory: Path | str, client_id: int, state: State, expect: dict[int, int] | None) -> int:
+    """The round stamp of checkpoint ``directory``'s state of ``client_id``, which must be the round its
+    manifest lists (``expect``; None: a checkpoint without a manifest, whose stamps stand)."""
+    got = stamp_of(state)
+    want = expect.get(client_id) if expect is not None else got
+    if got is None or got != want:
+        raise RuntimeError(
+            f"checkpoint {directory}: client {client_id}'s state is "
+            f"{'without a round stamp' if got is None else f'from round {got + 1}'}, its manifest lists "
+            f"{'none' if want is None else f'round {want + 1}'}; it cannot be restored exactly")
+    return got
 
 
 def iter_states(files: list[Path]) -> Iterator[dict[int, State]]:
