@@ -192,8 +192,7 @@ class RayWorker(Worker):
             return None
         found: dict[int, int] = {}
         for part in iter_states([Path(f) for f in files]):
-            mine = {cid: state for cid, state in part.items() if home_worker(cid, self.options.num_workers)
-                    == self.worker_id}
+            mine = {cid: state for cid, state in part.items() if self.store.is_home(cid)}
             for cid, state in mine.items():
                 found[cid] = checked_stamp(directory, cid, state, expect)
             self.put_states(mine)

@@ -580,9 +580,12 @@ class RayEngine(Engine):
             def own(h: int) -> list[str]:
                 return [n for n in names if Path(n).name.startswith(f"part-{h:05d}-")] if homes_then == W else names
 
+            expected: dict[int, dict[int, int]] = {h: {} for h in range(W)}  # each home's manifest entries
+            for c, r in (manifest.rounds if manifest is not None else {}).items():
+                expected[home_worker(c, W)][c] = r
+
             def expect(h: int) -> dict[int, int] | None:
-                return None if manifest is None else {
-                    c: r for c, r in manifest.rounds.items() if home_worker(c, W) == h}
+                return None if manifest is None else expected[h]
 
             probe = leave_probe(directory)
             try:
