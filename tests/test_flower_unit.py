@@ -300,6 +300,42 @@ def dies_at_first_train(grid, node_id: int, known: bool = False) -> None:
     grid.push_messages = push_and_maybe_die
 
 
+def test_identify_queries_in_flight_are_bounded(tmp_path):
+    """deploy.identify_in_flight=2 over 5 nodes: never more than 2 identify queries outstanding (each starts a
+    ClientApp process on its node), every node still asked and holding its client; unbounded, all 5 at once."""
+    from fl_platform.flower.records import IDENTIFY
+
+    def peak_outstanding(**deploy) -> int:
+        rc = run_config("num_clients=5", "clients_per_round=5", "rounds=1", **deploy)
+        grid = LocalGrid(client_app, nodes(5), rc)
+        outstanding: set[str] = set()
+        peak = [0]
+        push, pull = grid.push_messages, grid.pull_messages
+
+        def push_counting(messages):
+            messages = list(messages)
+            ids = push(messages)
+            outstanding.update(i for m, i in zip(messages, ids) if m.metadata.message_type == IDENTIFY)
+            peak[0] = max(peak[0], len(outstanding))
+            return ids
+
+        def pull_counting(ids):
+            got = pull(ids)
+            outstanding.difference_update(r.metadata.reply_to_message_id for r in got)
+            return got
+
+        grid.push_messages, grid.pull_messages = push_counting, pull_counting
+        summary = run_server(grid, rc, run_dir=tmp_path / f"run{len(deploy)}")
+        assert summary["rounds"] == 1 and len(summary["nodes"]) == 5
+        return peak[0]
+
+    bounded = peak_outstanding(identify_in_flight=2)
+    unbounded = peak_outstanding()
+    assert (bounded, unbounded) == (2, 5)
+    with pytest.raises(ValueError, match=r"deploy\.identify_in_flight must be >= 0"):
+        fc.DeployConf(identify_in_flight=-1)
+
+
 def test_a_node_that_never_answers_is_left_out_and_logged(tmp_path):
     rc = run_config(round_timeout=0.3, min_replies=2)
     grid = LocalGrid(client_app, nodes(), rc)

@@ -49,6 +49,9 @@ class DeployConf:
     min_nodes: int = 0  # SuperNodes to wait for before round 1 (0: one per client, i.e. num_clients)
     connect_timeout: float = 600.0  # seconds to wait for min_nodes SuperNodes
     poll_interval: float = 0.2  # seconds between polls for replies
+    # identify queries outstanding at once (0: every new SuperNode asked at once). Each is a ClientApp process on
+    # its node: many SuperNodes on one machine otherwise start them all together (50: ~16 GB, docs/deploy.md)
+    identify_in_flight: int = 0
     run_dir: str = ""  # "" = outputs/flower/<time>_<algorithm>_<dataset>_s<seed>_run<id> in the ServerApp's cwd
     device: str = "auto"  # training/evaluation device (a SuperNode's node config may override it)
 
@@ -59,6 +62,7 @@ class DeployConf:
             (self.min_nodes >= 0, "min_nodes", "must be >= 0"),
             (self.connect_timeout > 0, "connect_timeout", "must be > 0"),
             (self.poll_interval > 0, "poll_interval", "must be > 0"),
+            (self.identify_in_flight >= 0, "identify_in_flight", "must be >= 0 (0: no bound)"),
         ]
         for ok, key, message in checks:
             if not ok:

@@ -152,6 +152,8 @@ class AlgorithmStrategy(Strategy):
                     del self._identifying[mid]
         asking = {nid for nid, _ in self._identifying.values()}
         new = sorted(online - set(self.node_of.values()) - set(self.refused) - asking)
+        if self.deploy.identify_in_flight:  # the rest are asked as replies come in
+            new = new[: max(0, self.deploy.identify_in_flight - len(self._identifying))]
         if new:
             messages = [Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=nid,
                                 message_type=IDENTIFY, ttl=self.deploy.round_timeout) for nid in new]

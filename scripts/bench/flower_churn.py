@@ -16,7 +16,9 @@ restarted after round 5. Then it
   clients are made not to answer), and compares the final models: they must agree to 1e-5, the
   tolerance docs/deploy.md gives a Flower run against the simulator.
 
-Every process is started by this script and stopped by its PID (process group); each wait is
+The ServerApp's identify queries at the start go ``--identify-in-flight`` (5) at a time
+(``deploy.identify_in_flight``): each is a ClientApp process on its node, and 50 at once on one machine
+took about 16 GB. Every process is started by this script and stopped by its PID (process group); each wait is
 bounded (``--round-timeout``, ``--timeout``). Too heavy for the unit suite on 2 cores: run it by hand,
 niced::
 
@@ -122,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole flwr run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start-interval", type=float, default=1.0, help="seconds between SuperNode starts")
+    parser.add_argument("--identify-in-flight", type=int, default=5,
+                        help="deploy.identify_in_flight: identify queries (ClientApp processes) at once at the start")
     parser.add_argument("--min-free-gb", type=float, default=3.0,
                         help="stop the run (every process, by PID) when less memory than this is available")
     args = parser.parse_args(argv)
@@ -149,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         home = Path(tmp)
         run_dir = home / "run"
         deploy = DeployConf(round_timeout=args.round_timeout, connect_timeout=args.timeout, poll_interval=0.2,
-                            run_dir=str(run_dir), device="cpu", min_replies=1)
+                            run_dir=str(run_dir), device="cpu", min_replies=1,
+                            identify_in_flight=args.identify_in_flight)
         config = home / "run_config.toml"
         config.write_text(to_toml(flatten_config(compose(overrides), deploy)))
         fed = fu.Federation(home / "fed")
