@@ -167,14 +167,20 @@ def _option_defaults(group: str, option: str) -> tuple[tuple[str, Any], ...]:
 
 @lru_cache(maxsize=1)
 def _group_keys() -> dict[str, tuple[str, ...]]:
-    """Every key any option of each group has (composes each option once; cached)."""
+    """Every key any option of each group has (cached). Each compose picks the i-th option of every group at
+    once (an option's fields do not depend on the other groups' choices), so it takes as many composes as
+    the largest group has options (21), not one per option (65): 20 s -> 7 s on 2 cores."""
+    options = {group: list(group_options(group)) for group in config_groups()}
+    union: dict[str, dict[str, None]] = {group: {} for group in options}
+    for i in range(max((len(o) for o in options.values()), default=0)):
+        chosen = {group: o[i] for group, o in options.items() if i < len(o)}
+        cfg = compose([f"{group}={option}" for group, option in chosen.items()])
+        for group in chosen:
+            union[group].update(dict.fromkeys(_flatten(_container(cfg[group]), f"{group}.")))
     keys: dict[str, tuple[str, ...]] = {}
-    for group in config_groups():
-        union: dict[str, None] = {}
-        for option in group_options(group):
-            union.update(dict.fromkeys(k for k, _ in _option_defaults(group, option)))
-        names = [f"{group}.name"] if f"{group}.name" in union else []
-        keys[group] = tuple(names + sorted(k for k in union if k not in names))
+    for group, found in union.items():
+        names = [f"{group}.name"] if f"{group}.name" in found else []
+        keys[group] = tuple(names + sorted(k for k in found if k not in names))
     return keys
 
 
