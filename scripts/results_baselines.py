@@ -11,8 +11,10 @@ Two partitions of scikit-learn's digits: Dirichlet(0.5) label skew and the stron
 minibatch orders changed). Method and statistics: scripts/results_common.py, docs/results/README.md.
 FedAvg, FedProx, SCAFFOLD and FedNova have no card in ../shared/specs, so there is no paper number to
 compare with; in the papers' large settings they run as the baselines of ``results_heterogeneity.py --preset gpu``.
-The server optimisers' eta (SERVER_LR) was picked on seeds 100-101 (never reported) of the Dirichlet
-setting from {0.003, 0.01, 0.03, 0.1} (Adagrad also 0.3, 1.0), by the mean of the last 5 evaluations.
+
+Every row is tuned (issue 28 item 3): per setting and method, the client learning rate (with FedProx's mu, and
+with the server optimisers' eta) is chosen from GRIDS on a validation split carved from the clients' training
+rows, on seeds 100-101 that no table reports (results_common.Tuning); the test set is never read to choose.
 """
 
 from __future__ import annotations
@@ -29,7 +31,12 @@ DOC = "baselines"
 LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD", "fednova": "FedNova"}
 #: The standard catalogue (docs/algorithms/catalogue.md): rows beside the baselines, paired with FedAvg.
 CATALOGUE = {"fedadam": "FedAdam", "fedyogi": "FedYogi", "fedadagrad": "FedAdagrad", "feddyn": "FedDyn", "moon": "MOON"}
-SERVER_LR = {"adam": 0.01, "yogi": 0.01, "adagrad": 0.1}  # eta, tuned on seeds 100-101 (see the docstring)
+LRS = (0.02, 0.05, 0.1, 0.2, 0.5)  # client SGD learning rates every method is tuned over
+SERVER_LRS = {"adam": (0.003, 0.01, 0.03), "yogi": (0.003, 0.01, 0.03), "adagrad": (0.03, 0.1, 0.3)}  # eta
+GRIDS = {"fedavg": {"train.lr": LRS}, "fedprox": {"train.lr": LRS, "algorithm.mu": (0.001, 0.01, 0.1, 1.0)},
+         "scaffold": {"train.lr": LRS}, "fednova": {"train.lr": LRS}, "feddyn": {"train.lr": LRS},
+         "moon": {"train.lr": LRS}, **{f"fed{o}": {"train.lr": LRS, "server_opt.lr": v} for o, v in SERVER_LRS.items()}}
+TINY_GRIDS = {a: {k: v[1:3] if k == "train.lr" else v[1:2] for k, v in g.items()} for a, g in GRIDS.items()}
 PARTITIONS = {"dirichlet": ("Dirichlet(0.5) label skew", ["partition=dirichlet", "partition.alpha=0.5"]),
               "shards": ("shards, 2 classes per client", ["partition=shards", "partition.classes_per_client=2"])}
 NO_CARD = rc.PaperClaim("", "no card in ../shared/specs (FedAvg: McMahan et al. 2017; FedProx: Li et al. 2020; "
@@ -57,13 +64,14 @@ def settings_of(budget: str, preset: str) -> list[rc.Setting]:
     algs = {"fedavg": ["algorithm=fedavg"], "fedprox": ["algorithm=fedprox", "algorithm.mu=0.01"],
             "scaffold": ["algorithm=scaffold"], "fednova": ["algorithm=fednova"], "feddyn": ["algorithm=feddyn", "algorithm.alpha=0.01"],
             "moon": ["algorithm=moon", "algorithm.mu=1.0", "algorithm.temperature=0.5"],
-            **{f"fed{o}": ["algorithm=fedavg", f"server_opt={o}", f"server_opt.lr={lr}"] for o, lr in SERVER_LR.items()}}
+            **{f"fed{o}": ["algorithm=fedavg", f"server_opt={o}"] for o in SERVER_LRS}}
+    tuning = rc.Tuning(TINY_GRIDS if tiny else GRIDS, (100,) if tiny else (100, 101))
     out = []
     for name, (title, part) in PARTITIONS.items():
-        rows = ([rc.Row(a, LABELS[a], a, [], seeds) for a in LABELS] + [rc.noise_row(seeds)]
-                + [rc.Row(a, CATALOGUE[a], a, [], seeds, priority=2) for a in CATALOGUE])
+        rows = ([rc.Row(a, LABELS[a], a, [], seeds, tuned=True) for a in LABELS] + [rc.noise_row(seeds, tuned=True)]
+                + [rc.Row(a, CATALOGUE[a], a, [], seeds, priority=2, tuned=True) for a in CATALOGUE])
         out.append(rc.Setting(name, f"digits, {title}", [*common, *part], rounds, rows, algs,
-                              paper={"baseline": NO_CARD, **CATALOGUE_CLAIMS}))
+                              paper={"baseline": NO_CARD, **CATALOGUE_CLAIMS}, tuning=tuning))
     return out
 
 
@@ -76,9 +84,14 @@ def build(settings: list[rc.Setting], cells: dict[str, dict[int, rc.Run]], plots
         if not rc.setting_runs(s, cells)["fedavg"]:
             sections.append(rc.setting_header(s) + "Not run yet.\n")
             continue
+        sections.append(rc.setting_header(s) + "Tuning: validation accuracy (%, mean of the last "
+                        f"{rc.K_LAST} evaluations and of seeds {', '.join(map(str, s.tuning.seeds))}) of each grid point "
+                        "on the validation split (a stratified tenth of each client's training rows held out; "
+                        "the test set is not read); the chosen point in bold:\n\n"
+                        + rc.tuning_table(s, cells, {**LABELS, **CATALOGUE}) + "\n")
         table, diffs = rc.main_table(s, cells, tags)
         verdicts += rc.verdict_rows(s, diffs, [*LABELS, *CATALOGUE])
-        sections.append(rc.setting_header(s) + "Rows:\n" + rc.rows_list(s, tags) + "\n" + table + "\n"
+        sections.append("Rows (each with its chosen values, on all of the clients' training rows):\n" + rc.rows_list(s, tags) + "\n" + table + "\n"
                         + rc.fednova_note(rc.setting_runs(s, cells)) + rc.plot_rows(
             s, cells, list(LABELS), plots, f"{DOC}_{s.name}{suffix}.png", f"{s.title}: test accuracy, mean and 95% band"))
         if any(rc.setting_runs(s, cells).get(a) for a in CATALOGUE):
@@ -87,13 +100,16 @@ def build(settings: list[rc.Setting], cells: dict[str, dict[int, rc.Run]], plots
     return ("# Baselines: FedAvg, FedProx, SCAFFOLD, FedNova and the catalogue on digits\n\n"
             f"{rc.provenance(DOC, artefacts, cells, command)}\n\n"
             "Setting: scikit-learn digits (1,438 train / 359 test images), MLP 64-128-10, 100 clients, 10 sampled per "
-            "round, 5 local epochs of batch 10, SGD lr 0.05; FedProx mu = 0.01; SCAFFOLD option II with "
+            "round, 5 local epochs of batch 10, plain SGD; every method's learning rate tuned per setting on a "
+            "validation split over {" + ", ".join(f"{v:g}" for v in LRS) + "} (FedProx jointly with mu over "
+            "{0.001, 0.01, 0.1, 1}, the server optimisers with eta), the grid and the choices in each setting's "
+            "Tuning table; SCAFFOLD option II with "
             "sample-weighted model deltas; FedNova: plain SGD, each client's update divided by its tau_i = 5 "
             "ceil(n_i / 10) local steps before averaging (it differs from FedAvg only where the sampled clients' "
             "tau_i differ); FedAdam/FedYogi/FedAdagrad: FedAvg's clients with `server_opt` (tau 1e-3, "
-            f"betas 0.9/0.99, eta {SERVER_LR['adam']}/{SERVER_LR['yogi']}/{SERVER_LR['adagrad']}, picked on seeds "
-            "100-101 that no table reports); FedDyn alpha = 0.01; MOON mu = 1, tau = 0.5 on the MLP's hidden "
-            "layer (docs/algorithms/catalogue.md). "
+            "betas 0.9/0.99, eta tuned over {" + ", ".join(f"{v:g}" for v in SERVER_LRS["adam"]) + "} for Adam and "
+            "Yogi, {" + ", ".join(f"{v:g}" for v in SERVER_LRS["adagrad"]) + "} for Adagrad); FedDyn alpha = 0.01 and "
+            "MOON mu = 1, tau = 0.5 on the MLP's hidden layer (docs/algorithms/catalogue.md), not tuned. "
             f"{rc.method_paragraph()}\n\n"
             "## Verdict against the papers\n\n" + rc.verdict_table(verdicts) + "\n" + "\n".join(sections))
 

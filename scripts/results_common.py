@@ -19,6 +19,7 @@ from __future__ import annotations
 import fnmatch
 import gzip
 import io
+import itertools
 import json
 import math
 import os
@@ -463,6 +464,9 @@ class PaperClaim:
     # Our training budget (rounds, epochs, steps) as a fraction of the paper's: below 1 a null or opposite
     # result does not contradict the paper at its budget ("untested", never "not reproduced").
     budget: float = 1.0
+    # Why the rows compared are not each tuned on a validation split ("": they are): a verdict compares tuned
+    # against tuned, so such a comparison is "untested" (issue 28 item 3; filled by untuned_reason).
+    untuned: str = ""
 
 
 MIN_SEEDS = 10  # rows a verdict rests on have at least this many paired seeds (README.md, "Verdicts")
@@ -485,6 +489,8 @@ def verdict(claim: PaperClaim, ours: Interval | None, against: str | None = None
                             f"{against}, a comparison the paper does not make")
     if ours is None or ours.n < MIN_SEEDS:
         return "untested", f"{0 if ours is None else ours.n} paired seeds; a verdict needs >= {MIN_SEEDS}"
+    if claim.untuned:
+        return "untested", f"{claim.untuned}; a verdict compares tuned against tuned"
     others = [b for b in claim.baselines if b != against]
     beside, untested = [b for b in others if b in set(elsewhere)], [b for b in others if b not in set(elsewhere)]
     if beside:
@@ -599,11 +605,38 @@ class Row:
     what: str = ""  # what the row changes (ablations, controls)
     parent: str = "fedavg"  # the main row an ablation varies
     priority: int = 1  # run order (lower first); seeds >= 5 of any row come last
+    tuned: bool = False  # runs with its algorithm's values chosen on the validation split (Setting.tuning)
 
 
-def noise_row(seeds: list[int]) -> Row:
+def noise_row(seeds: list[int], tuned: bool = False) -> Row:
     return Row(NOISE, "FedAvg, other minibatch orders (noise floor)", "fedavg", ["train.shuffle_offset=1"], seeds,
-               "only the clients' minibatch orders changed (train.shuffle_offset=1)")
+               "only the clients' minibatch orders changed (train.shuffle_offset=1)", tuned=tuned)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """What each algorithm is tuned over, chosen on a validation split, never on the test set (issue 28 item 3).
+
+    Every combination of an algorithm's grid runs on ``seeds`` (no table reports them) with
+    ``early_stop.patience`` above the run's evaluations: each client holds out a stratified tenth of its
+    training rows (``early_stop.val_fraction``, fl_platform/rounds/callbacks.py), the global model is
+    evaluated on them at every evaluation, and the run never stops early. The combination with the highest
+    validation accuracy (a run's mean of its last ``K_LAST`` evaluations, then the mean over ``seeds``) wins; a
+    tie goes to the first in grid order. The rows marked ``tuned`` then run with the winner on all of the
+    clients' training rows and are scored on the test set as every other row."""
+
+    grids: dict[str, dict[str, tuple[float, ...]]]  # algorithm (Setting.algorithm_overrides key) -> key -> values
+    seeds: tuple[int, ...]
+
+    def combos(self, algorithm: str) -> list[tuple[str, ...]]:
+        """The grid's combinations as override tuples, in grid order (the first key varies slowest)."""
+        grid = self.grids[algorithm]
+        return [tuple(f"{k}={v:g}" for k, v in zip(grid, values)) for values in itertools.product(*grid.values())]
+
+
+def combo_tag(combo: Sequence[str]) -> str:
+    """The folder of one combination's tuning runs: ``train.lr=0.05, algorithm.mu=0.1`` -> ``train.lr0.05_algorithm.mu0.1``."""
+    return "_".join(o.replace("=", "") for o in combo)
 
 
 @dataclass
@@ -619,14 +652,36 @@ class Setting:
     preset: str | None = None  # GPU: conf/experiment/<preset>.yaml, the paper's setting ...
     preset_algorithm: str = ""  # ... of this algorithm (others run in it without its algorithm keys)
     paper: dict[str, PaperClaim] = field(default_factory=dict)  # row tag (or "baseline") -> the paper's claim
+    tuning: Tuning | None = None  # what the ``tuned`` rows are tuned over
+    chosen: dict[str, tuple[str, ...]] = field(default_factory=dict)  # algorithm -> winner (choose_tuned fills it)
 
     def overrides_of(self, row: Row) -> list[str]:
+        """The row's CLI overrides (without the seed); a ``tuned`` row's include its algorithm's winner, so
+        they exist only once its tuning runs are all in (``ready``)."""
+        extra = [*row.extra, *self.winner(row.algorithm)] if row.tuned else row.extra
         if self.preset is not None:
             base = ([f"+experiment={self.preset}"] if row.algorithm == self.preset_algorithm else
                     [*preset_overrides(self.preset), *self.algorithm_overrides[row.algorithm]])
-            return [*base, *row.extra, *TAIL]  # engine.device=auto: the GPU where there is one
-        return [*self.overrides, f"rounds={self.rounds}", *self.algorithm_overrides[row.algorithm], *row.extra, *TAIL[:1],
+            return [*base, *extra, *TAIL]  # engine.device=auto: the GPU where there is one
+        return [*self.overrides, f"rounds={self.rounds}", *self.algorithm_overrides[row.algorithm], *extra, *TAIL[:1],
                 "engine.threads_per_worker=1", *TAIL[1:]]
+
+    def winner(self, algorithm: str) -> tuple[str, ...]:
+        if algorithm not in self.chosen:
+            raise ValueError(f"{self.name}: {algorithm}'s tuning runs are not all in; its tuned rows cannot run yet")
+        return self.chosen[algorithm]
+
+    def ready(self, row: Row) -> bool:
+        return not row.tuned or row.algorithm in self.chosen
+
+    def tuning_jobs(self) -> list[Job]:
+        """Every tuning run: each combination of each tuned algorithm on each tuning seed, on the validation split."""
+        if self.tuning is None:
+            return []
+        validation = [f"early_stop.patience={self.rounds + 1}"]  # more than the run's evaluations: never stops
+        return [Job(f"{self.name}/tune/{a}/{combo_tag(c)}", seed,
+                    [*self.overrides_of(Row(a, a, a, [], [])), *c, *validation, f"seed={seed}"])
+                for a in self.tuning.grids for c in self.tuning.combos(a) for seed in self.tuning.seeds]
 
     def row(self, tag: str) -> Row | None:
         return next((r for r in self.rows if r.tag == tag), None)
@@ -647,10 +702,92 @@ def priority(row: Row, seed: int) -> int:
 
 
 def setting_jobs(settings: Sequence[Setting], max_priority: int = 99) -> list[Job]:
-    """Every run up to ``max_priority``, lowest priority first (stable)."""
-    out = [(priority(row, seed), Job(f"{s.name}/{row.tag}", seed, [*s.overrides_of(row), f"seed={seed}"]))
-           for s in settings for row in s.rows for seed in row.seeds]
+    """Every run up to ``max_priority``, lowest priority first (stable): the tuning runs first, then the rows;
+    a tuned row only once its algorithm's winner is known (``choose_tuned``)."""
+    out = [(0, j) for s in settings for j in s.tuning_jobs()]
+    out += [(priority(row, seed), Job(f"{s.name}/{row.tag}", seed, [*s.overrides_of(row), f"seed={seed}"]))
+            for s in settings for row in s.rows if s.ready(row) for seed in row.seeds]
     return [j for p, j in sorted(out, key=lambda pj: pj[0]) if p <= max_priority]
+
+
+def waiting_rows(settings: Sequence[Setting]) -> list[str]:
+    """The tuned rows whose algorithm's tuning runs are not all in (they cannot be planned yet)."""
+    return [f"{s.name}/{row.tag}" for s in settings for row in s.rows if not s.ready(row)]
+
+
+def tuning_scores(s: Setting, cells: dict[str, dict[int, Run]], algorithm: str) -> dict[tuple[str, ...], float | None]:
+    """Each combination's validation accuracy (mean over the tuning seeds of each run's last ``K_LAST``
+    ``val_accuracy`` evaluations; None while a seed is missing). Reads no test metric."""
+    assert s.tuning is not None
+    out: dict[tuple[str, ...], float | None] = {}
+    for combo in s.tuning.combos(algorithm):
+        runs = cells.get(f"{s.name}/tune/{algorithm}/{combo_tag(combo)}", {})
+        have = all(seed in runs for seed in s.tuning.seeds)
+        out[combo] = (statistics.fmean(final_accuracy(runs[seed], metric="val_accuracy") for seed in s.tuning.seeds)
+                      if have else None)
+    return out
+
+
+def choose_tuned(settings: Sequence[Setting], cells: dict[str, dict[int, Run]]) -> None:
+    """Fill each setting's ``chosen`` from its tuning runs: per algorithm, the combination with the highest
+    validation accuracy (the first in grid order on a tie), once every combination has all its seeds."""
+    for s in settings:
+        s.chosen.clear()
+        for algorithm in (s.tuning.grids if s.tuning else {}):
+            scores = tuning_scores(s, cells, algorithm)
+            if all(v is not None for v in scores.values()):
+                s.chosen[algorithm] = max(scores, key=lambda c: scores[c])  # max keeps the first of equals
+
+
+def resolved(overrides: Sequence[str]) -> dict[str, str]:
+    """key -> value of ``overrides`` as Hydra applies them (the last of a key wins)."""
+    return dict(o.split("=", 1) for o in last_wins(overrides))
+
+
+def stale_artefacts(jobs: Sequence[Job], artefacts: Path) -> list[Job]:
+    """The planned runs whose artefact was made with other settings than the plan's (e.g. a tuned row run
+    before its tuning chose another learning rate): they are run again, never reported as the row."""
+    out = []
+    for job in jobs:
+        path = artefacts / job.name / "run.json"
+        if path.exists() and resolved(json.loads(path.read_text())["overrides"]) != resolved(job.overrides):
+            out.append(job)
+    return out
+
+
+def tuning_table(s: Setting, cells: dict[str, dict[int, Run]], labels: dict[str, str]) -> str:
+    """Per tuned algorithm and value of its second key (if any), the validation accuracy of each learning rate
+    (mean over the tuning seeds, %), the winner in bold, and the winner named in the last column (with a note
+    when it sits at the edge of the grid: the grid may not contain the best value)."""
+    assert s.tuning is not None
+    table = []
+    first_keys = {next(iter(g)) for g in s.tuning.grids.values()}
+    if len(first_keys) != 1:
+        raise ValueError(f"{s.name}: the tuning table wants one first key for every algorithm, got {sorted(first_keys)}")
+    key = first_keys.pop()
+    columns = sorted({v for g in s.tuning.grids.values() for v in g[key]})
+    for a, grid in s.tuning.grids.items():
+        scores = tuning_scores(s, cells, a)
+        win = s.chosen.get(a)
+        others = list(grid)[1:]
+        for rest in itertools.product(*(grid[k] for k in others)):
+            cells_row = []
+            for v in columns:
+                combo = tuple(f"{k}={x:g}" for k, x in zip([key, *others], [v, *rest]))
+                if v not in grid[key]:
+                    cells_row.append("-")  # not in this algorithm's grid
+                    continue
+                score = scores[combo]
+                text = "-" if score is None else f"{100 * score:.2f}"
+                cells_row.append(f"**{text}**" if combo == win else text)
+            name = labels.get(a, a) + "".join(f", {k} = {x:g}" for k, x in zip(others, rest))
+            edge = "-"
+            if win is not None and rest == tuple(float(o.split("=")[1]) for o in win[1:]):
+                values = [float(o.split("=")[1]) for o in win]
+                at_edge = [k for k, x in zip(grid, values) if len(grid[k]) > 1 and x in (min(grid[k]), max(grid[k]))]
+                edge = " ".join(win) + (f" (at the grid's edge in {', '.join(at_edge)})" if at_edge else "")
+            table.append([name, *cells_row, edge])
+    return md_table(["algorithm", *(f"{key} = {v:g}" for v in columns), "chosen"], table)
 
 
 # ----------------------------------------------------------------------------- document sections
@@ -824,16 +961,28 @@ def _prefix_check(short: dict[int, Run], long: dict[int, Run]) -> str:
     return f"The long runs' first evaluations differ from FedAvg's own runs for seeds {sorted(set(seeds) - set(same))}."
 
 
+def untuned_reason(s: Setting, *tags: str) -> str:
+    """Why the rows ``tags`` are not all tuned on a validation split ("" when they are: ``Row.tuned``). A GPU
+    preset's rows run the paper's own hyper-parameters, so their comparison is the paper's: "" too."""
+    untuned = [s.row(t).label for t in tags if s.row(t) is not None and not s.row(t).tuned]
+    if not untuned or s.preset is not None:
+        return ""
+    lrs = sorted({resolved(s.overrides_of(s.row(t))).get("train.lr", "?") for t in tags if s.row(t) is not None})
+    return (f"{' and '.join(untuned)} not tuned (learning rate {', '.join(lrs)} set by hand, the same for every "
+            "method; no validation-split tuning)")
+
+
 def verdict_rows(s: Setting, diffs: dict[str, Interval], tags: Sequence[str]) -> list[tuple[PaperClaim, Interval | None, str]]:
     """(claim, our paired difference to FedAvg, 'FedAvg') for the rows ``tags`` that ran; a row
-    without its own claim takes the setting's ``baseline`` claim."""
+    without its own claim takes the setting's ``baseline`` claim; a comparison with an untuned row says so."""
     out = []
     for tag in tags:
         row = s.row(tag)
         if row is None or (tag != "fedavg" and tag not in diffs):
             continue
         claim = s.paper.get(tag) or s.paper["baseline"]
-        out.append((replace(claim, algorithm=f"{claim.algorithm or row.label} ({s.name})"),
+        out.append((replace(claim, algorithm=f"{claim.algorithm or row.label} ({s.name})",
+                            untuned=untuned_reason(s, tag, "fedavg")),
                     None if tag == "fedavg" else diffs[tag], "FedAvg"))
     return out
 
@@ -887,24 +1036,46 @@ def cli(doc: str, argv: list[str] | None, description: str,
     suffix = ("" if args.budget == "full" else f"_{args.budget}") + ("" if args.preset == "cpu" else f"_{args.preset}")
     artefacts = Path(args.artefacts) if args.artefacts else DATA / f"{doc}{suffix}"
     settings = settings_of(args.budget, args.preset)
-    if not args.from_artefacts:
-        todo = [j for j in setting_jobs(settings, args.max_priority) if not (artefacts / j.name / "run.json").exists()
-                and (args.only is None or any(fnmatch.fnmatchcase(j.name, p) for p in args.only))]
+    code = None
+    while not args.from_artefacts:  # twice where tuned rows wait for their tuning runs
+        choose_tuned(settings, load_cells(artefacts) if artefacts.exists() else {})
+        planned = [j for j in setting_jobs(settings, args.max_priority)
+                   if args.only is None or any(fnmatch.fnmatchcase(j.name, p) for p in args.only)]
+        stale = stale_artefacts(planned, artefacts)
+        todo = [j for j in planned if j in stale or not (artefacts / j.name / "run.json").exists()]
         need: dict[str, int] = {}
         for s in settings:
             need[s.dataset()] = max(need.get(s.dataset(), 0), s.num_clients())
         missing = check_data(sorted(need), need) if todo else []
+        waiting = waiting_rows(settings)
         if args.plan:
             for j in todo:
-                print(f"{j.name}: python -m fl_platform.run {' '.join(j.overrides)}")
-            print(f"{len(todo)} runs missing; data: " + ("present" if not missing else "MISSING\n" + "\n".join(missing)))
+                print(f"{j.name}: python -m fl_platform.run {' '.join(j.overrides)}"
+                      + ("  (its artefact was made with other settings: replaced)" if j in stale else ""))
+            print(f"{len(todo)} runs missing" + (f"; {len(waiting)} tuned rows wait for their tuning runs" if waiting else "")
+                  + "; data: " + ("present" if not missing else "MISSING\n" + "\n".join(missing)))
             return 2 if missing else 0
         if missing:
             print("cannot run: data missing\n" + "\n".join(missing), file=sys.stderr)
             return 2
-        run_jobs(todo, Path(args.runs) if args.runs else RUNS / f"{doc}{suffix}", artefacts,
-                 code_snapshot(args.commit), args.jobs, args.threads)
+        if not todo:
+            break
+        for j in stale:
+            print(f"{j.name}: its artefact was made with other settings than the plan's; running it again", flush=True)
+            shutil.rmtree(artefacts / j.name)
+        code = code or code_snapshot(args.commit)
+        run_jobs(todo, Path(args.runs) if args.runs else RUNS / f"{doc}{suffix}", artefacts, code, args.jobs, args.threads)
+        if not waiting:
+            break
     cells = load_cells(artefacts) if artefacts.exists() else {}
+    choose_tuned(settings, cells)
+    wrong = [j.name for j in stale_artefacts(setting_jobs(settings), artefacts)]
+    wrong += [f"{row}/s{seed}" for row in waiting_rows(settings) for seed in cells.get(row, {})]
+    if wrong:  # never a row from runs it does not plan (e.g. a learning rate its tuning did not choose)
+        print(f"{len(wrong)} artefacts are not the runs their rows plan (made with other settings, or a tuned row's "
+              f"before its tuning runs were all in), e.g. {wrong[0]}: run without --from-artefacts to replace them",
+              file=sys.stderr)
+        return 2
     command = f"python scripts/results_{doc}.py" + "".join(
         f" --{k} {v}" for k, v in (("budget", args.budget), ("preset", args.preset)) if v not in ("full", "cpu"))
     out = Path(args.out)

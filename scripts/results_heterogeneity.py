@@ -246,7 +246,8 @@ def baseline_verdicts(s: Setting, runs: dict[str, dict[int, rc.Run]]
         acc = rc.accuracies(runs[alg])
         for base in BASELINES:
             if runs.get(base):
-                out.append((replace(claim, algorithm=f"{claim.algorithm} vs {LABELS[base]} ({s.name})"),
+                out.append((replace(claim, algorithm=f"{claim.algorithm} vs {LABELS[base]} ({s.name})",
+                                    untuned=rc.untuned_reason(s, alg, base)),
                             rc.paired(acc, rc.accuracies(runs[base])), LABELS[base]))
     return out
 

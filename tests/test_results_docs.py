@@ -22,18 +22,29 @@ from .conftest import compose_config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import results_common as rc  # scripts/ is not a package
 
-pytestmark = pytest.mark.slow  # most tests rebuild a results document from its artefacts
+# Most tests read the documents as rebuilt from their artefacts: every document is rebuilt once per module
+# (the ``rebuilt`` fixture, about 20 s), so the module runs on one pytest-xdist worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("results_docs")]
 
 # ----------------------------------------------------------------------------- the documents
 
 
+@pytest.fixture(scope="module")
+def rebuilt(tmp_path_factory) -> dict[str, str]:
+    """The generated part of every registered document as ``--from-artefacts --no-plots`` writes it."""
+    out = {}
+    for doc in sorted(rc.DOCUMENTS):
+        folder = tmp_path_factory.mktemp(doc)
+        assert importlib.import_module(rc.DOCUMENTS[doc]).main(["--from-artefacts", "--no-plots", "--out",
+                                                                 str(folder)]) == 0, doc
+        out[doc] = rc.generated_part((folder / f"{doc}.md").read_text())
+    return out
+
+
 @pytest.mark.parametrize("doc", sorted(rc.DOCUMENTS))
-def test_document_rebuilds_from_its_artefacts_unchanged(doc, tmp_path):
+def test_document_rebuilds_from_its_artefacts_unchanged(doc, rebuilt):
     committed = (rc.DOCS / f"{doc}.md").read_text()
-    module = importlib.import_module(rc.DOCUMENTS[doc])
-    assert module.main(["--from-artefacts", "--no-plots", "--out", str(tmp_path)]) == 0
-    rebuilt = (tmp_path / f"{doc}.md").read_text()
-    assert rc.generated_part(rebuilt) == rc.generated_part(committed)
+    assert rebuilt[doc] == rc.generated_part(committed)
     assert rc.MARKER in committed  # the hand-written findings follow the generated part
     for png in re.findall(r"\]\(([^)]+\.png)\)", committed):  # every linked plot is committed
         assert (rc.DOCS / png).is_file(), png
@@ -140,6 +151,23 @@ def test_a_verdict_rests_on_ten_seeds_the_papers_comparison_and_its_budget():
     assert rc.verdict(short, _ten(0.02), "FedAvg")[0] == "direction only"
 
 
+def test_a_verdict_compares_tuned_against_tuned():
+    """A comparison with a row not tuned on a validation split is 'untested' naming the rows, whatever the
+    interval; rows marked tuned get their verdict; a GPU preset runs the paper's own hyper-parameters."""
+    claim = rc.PaperClaim("X", "setting", None, 1, "")
+    rows = [rc.Row("fedavg", "FedAvg", "fedavg", [], [0]), rc.Row("x", "X", "fedavg", [], [0])]
+    s = rc.Setting("d", "digits", ["dataset=digits", "train.lr=0.05"], 4, rows, {"fedavg": ["algorithm=fedavg"]},
+                   paper={"baseline": claim})
+    ((c, iv, against),) = [r for r in rc.verdict_rows(s, {"x": _ten(0.02)}, ["x"])]
+    v, why = rc.verdict(c, iv, against)
+    assert v == "untested" and why.startswith("X and FedAvg not tuned (learning rate 0.05")
+    tuned = replace(s, rows=[replace(r, tuned=True) for r in rows], chosen={"fedavg": ("train.lr=0.1",)},
+                    tuning=rc.Tuning({"fedavg": {"train.lr": (0.1,)}}, (100,)))
+    ((c, iv, against),) = rc.verdict_rows(tuned, {"x": _ten(0.02)}, ["x"])
+    assert rc.verdict(c, iv, against)[0] == "direction only"
+    assert rc.untuned_reason(replace(s, preset="fedimpro_fmnist"), "x", "fedavg") == ""
+
+
 def test_a_main_table_row_is_over_the_seeds_it_shares_with_fedavg():
     """FedAvg with 10 seeds, FedProx with 5: FedProx's row sets its 5-seed mean against FedAvg's on the
     same 5 seeds (never FedAvg's 10-seed mean) and says 5 seeds."""
@@ -207,17 +235,6 @@ def _check_tables(doc: str, text: str) -> None:
                 if row[d] != "-":
                     assert abs(_points(row[a]) - _points(row[b]) - _points(row[d])) <= 0.011, (
                         f"{doc}: {row[0]} mixes seed sets: {row[a]} - {row[b]} != {row[d]}")
-
-
-@pytest.fixture(scope="module")
-def rebuilt(tmp_path_factory) -> dict[str, str]:
-    out = {}
-    for doc in sorted(rc.DOCUMENTS):
-        folder = tmp_path_factory.mktemp(doc)
-        assert importlib.import_module(rc.DOCUMENTS[doc]).main(["--from-artefacts", "--no-plots", "--out",
-                                                                 str(folder)]) == 0
-        out[doc] = rc.generated_part((folder / f"{doc}.md").read_text())
-    return out
 
 
 @pytest.mark.parametrize("doc", sorted(rc.DOCUMENTS))
@@ -312,27 +329,32 @@ def test_a_run_leaves_an_artefact_that_loads_back_and_is_not_rerun(tmp_path):
         rc.export_artefact(runs / "x", tmp_path / "refused")
 
 
-def _fake_artefact(folder, accs, cpu_per_round):
-    """A run's artefact with given evaluations (every other round) and CPU cost per round."""
+def _fake_artefact(folder, accs, cpu_per_round, overrides=()):
+    """A run's artefact with given evaluations (every other round), CPU cost per round and CLI overrides (the
+    plan's: a document refuses an artefact made with other settings than its row plans)."""
     folder.mkdir(parents=True)
     rows = [{"round": r, **({"test_accuracy": accs[r // 2 - 1]} if r % 2 == 0 else {})} for r in range(1, 2 * len(accs) + 1)]
     (folder / "metrics.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
     (folder / "summary.json").write_text(json.dumps({"seed": int(folder.name[1:])}))
     (folder / "config.yaml").write_text("seed: 0\n")
     cpu = [5 + cpu_per_round * (i + 1) for i in range(len(rows))]
-    (folder / "run.json").write_text(json.dumps({"cpu_s": cpu[-1], "commit": "abc", "row_cpu_s": cpu}))
+    (folder / "run.json").write_text(json.dumps({"cpu_s": cpu[-1], "commit": "abc", "row_cpu_s": cpu,
+                                                 "overrides": list(overrides)}))
 
 
 def test_the_gpu_document_builds_with_the_same_sections(tmp_path):
     """The --preset gpu document from (synthetic) artefacts: verdicts follow the intervals."""
     het = importlib.import_module("results_heterogeneity")
     art = tmp_path / "art"
+    plan = {j.name: j.overrides for j in rc.setting_jobs(het.settings_of("full", "gpu"))}
     for seed in range(10):
         for tag, gain in (("fedavg", 0.0), ("fedavg_shuffle", 0.001 * (seed - 2)), ("fedprox", 0.0),
                           ("scaffold", 0.0), ("fedimpro", 0.03 + 0.002 * seed)):
-            _fake_artefact(art / "cifar10_fedimpro" / tag / f"s{seed}", [0.5 + 0.01 * seed + gain] * 6, 1.0)
+            name = f"cifar10_fedimpro/{tag}/s{seed}"
+            _fake_artefact(art / name, [0.5 + 0.01 * seed + gain] * 6, 1.0, plan[name])
         for tag, gain in (("fedavg", 0.0), ("fedavg_shuffle", 0.0), ("vhl", 0.01 * (seed - 4.5))):
-            _fake_artefact(art / "cifar10_vhl" / tag / f"s{seed}", [0.6 + 0.01 * seed + gain] * 6, 2.0)
+            name = f"cifar10_vhl/{tag}/s{seed}"
+            _fake_artefact(art / name, [0.6 + 0.01 * seed + gain] * 6, 2.0, plan[name])
     assert het.main(["--preset", "gpu", "--from-artefacts", "--artefacts", str(art), "--out", str(tmp_path),
                      "--no-plots"]) == 0
     text = (tmp_path / "heterogeneity_gpu.md").read_text()
@@ -397,10 +419,94 @@ def test_verdict_rows_of_one_claim_name_each_others_rows():
 
 def test_only_selects_the_missing_runs_matching_a_pattern(tmp_path, capsys):
     base = importlib.import_module("results_baselines")
-    assert base.main(["--plan", "--only", "shards/fednova/*", "dirichlet/fedavg/s3", "--artefacts",
-                      str(tmp_path / "art")]) == 0
-    names = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if ": python -m" in line]
-    assert names == ["dirichlet/fedavg/s3", *(f"shards/fednova/s{k}" for k in range(10))]
+    assert base.main(["--plan", "--only", "shards/tune/fednova/train.lr0.05/*", "dirichlet/tune/fedavg/*",
+                      "dirichlet/fedavg/s3", "--artefacts", str(tmp_path / "art")]) == 0
+    out = capsys.readouterr().out
+    names = [line.split(":")[0] for line in out.splitlines() if ": python -m" in line]
+    # the tuning runs only: dirichlet/fedavg/s3 waits for FedAvg's tuning runs
+    assert names == [*(f"dirichlet/tune/fedavg/train.lr{lr:g}/s{k}" for lr in base.LRS for k in (100, 101)),
+                     "shards/tune/fednova/train.lr0.05/s100", "shards/tune/fednova/train.lr0.05/s101"]
+    assert "20 tuned rows wait for their tuning runs" in out
+
+
+# ----------------------------------------------------------------------------- tuning on a validation split
+
+
+def _val_run(val, test):
+    """A run whose last five evaluations are ``val`` on the validation split and ``test`` on the test set."""
+    return {"name": "r", "rows": [{"round": r, "val_accuracy": val, "test_accuracy": test} for r in range(1, 6)]}
+
+
+def _tuned_setting():
+    tuning = rc.Tuning({"fedavg": {"train.lr": (0.05, 0.1)},
+                        "fedprox": {"train.lr": (0.05, 0.1), "algorithm.mu": (0.01, 0.1)}}, (100, 101))
+    rows = [rc.Row("fedavg", "FedAvg", "fedavg", [], [0, 1], tuned=True), rc.noise_row([0, 1], tuned=True),
+            rc.Row("fedprox", "FedProx", "fedprox", [], [0, 1], tuned=True)]
+    return rc.Setting("d", "digits", ["dataset=digits", "train.lr=0.05"], 4, rows,
+                      {"fedavg": ["algorithm=fedavg"], "fedprox": ["algorithm=fedprox", "algorithm.mu=0.01"]},
+                      tuning=tuning)
+
+
+def _tuning_cells(scores):
+    """Tuning runs of ``_tuned_setting`` with (val, test) accuracies per (algorithm, combination) and seed."""
+    return {f"d/tune/{a}/{rc.combo_tag(combo)}": {seed: _val_run(*vt) for seed, vt in by_seed.items()}
+            for (a, combo), by_seed in scores.items()}
+
+
+def test_tuning_chooses_on_the_validation_split_never_the_test_set():
+    s = _tuned_setting()
+    lo, hi = ("train.lr=0.05",), ("train.lr=0.1",)
+    prox = {c: {100: (0.5, 0.5), 101: (0.5, 0.5)} for c in s.tuning.combos("fedprox")}
+    prox[("train.lr=0.1", "algorithm.mu=0.01")] = {100: (0.7, 0.1), 101: (0.6, 0.1)}  # best on val, worst on test
+    # FedAvg: lr 0.1 better on validation (mean over both seeds: 0.75 vs 0.70), lr 0.05 far better on test
+    scores = {("fedavg", lo): {100: (0.80, 0.99), 101: (0.60, 0.99)}, ("fedavg", hi): {100: (0.70, 0.10), 101: (0.80, 0.10)},
+              **{("fedprox", c): v for c, v in prox.items()}}
+    rc.choose_tuned([s], _tuning_cells(scores))
+    assert s.chosen == {"fedavg": hi, "fedprox": ("train.lr=0.1", "algorithm.mu=0.01")}
+    assert rc.tuning_scores(s, _tuning_cells(scores), "fedavg") == {lo: pytest.approx(0.70), hi: pytest.approx(0.75)}
+    # the tuned rows run with the winner (the noise row with FedAvg's), last on the command line
+    jobs = {j.name: j for j in rc.setting_jobs([s])}
+    assert rc.resolved(jobs["d/fedavg/s0"].overrides)["train.lr"] == "0.1"
+    assert rc.resolved(jobs[f"d/{rc.NOISE}/s1"].overrides)["train.lr"] == "0.1"
+    assert rc.resolved(jobs["d/fedprox/s0"].overrides) | {} == {**rc.resolved(jobs["d/fedprox/s0"].overrides),
+                                                                "train.lr": "0.1", "algorithm.mu": "0.01"}
+    # the tuning runs carry the validation split and never stop early; every combination on every tuning seed
+    tune = [j for j in jobs.values() if "/tune/" in j.name]
+    assert len(tune) == (2 + 4) * 2 and all(rc.resolved(j.overrides)["early_stop.patience"] == "5" for j in tune)
+    # a tie goes to the first in grid order
+    scores[("fedavg", hi)] = scores[("fedavg", lo)]
+    rc.choose_tuned([s], _tuning_cells(scores))
+    assert s.chosen["fedavg"] == lo
+
+
+def test_a_tuned_row_waits_for_every_tuning_run_and_an_artefact_made_otherwise_is_replaced(tmp_path):
+    s = _tuned_setting()
+    combos = {("fedavg", c) for c in s.tuning.combos("fedavg")} | {("fedprox", c) for c in s.tuning.combos("fedprox")}
+    scores = {ac: {100: (0.5, 0.5), 101: (0.5, 0.5)} for ac in combos}
+    del scores[("fedprox", ("train.lr=0.1", "algorithm.mu=0.1"))][101]  # one seed of one combination missing
+    rc.choose_tuned([s], _tuning_cells(scores))
+    assert s.chosen == {"fedavg": ("train.lr=0.05",)}
+    assert rc.waiting_rows([s]) == ["d/fedprox"]
+    assert not [j for j in rc.setting_jobs([s]) if j.name.startswith("d/fedprox/")]
+    with pytest.raises(ValueError, match="tuning runs are not all in"):
+        s.overrides_of(s.row("fedprox"))
+    # an artefact of FedAvg's row made at another learning rate than the chosen one is stale; the chosen one is not
+    art = tmp_path / "art"
+    job = next(j for j in rc.setting_jobs([s]) if j.name == "d/fedavg/s0")
+    for seed, lr in ((0, "0.1"), (1, "0.05")):
+        (art / f"d/fedavg/s{seed}").mkdir(parents=True)
+        (art / f"d/fedavg/s{seed}" / "run.json").write_text(
+            json.dumps({"overrides": [*job.overrides[:-1], f"train.lr={lr}", f"seed={seed}"]}))
+    assert [j.name for j in rc.stale_artefacts(rc.setting_jobs([s]), art)] == ["d/fedavg/s0"]
+
+
+def test_the_baselines_rows_are_all_tuned_with_the_issues_grid():
+    base = importlib.import_module("results_baselines")
+    for s in base.settings_of("full", "cpu"):
+        assert all(row.tuned for row in s.rows) and s.tuning.seeds == (100, 101)
+        assert set(s.tuning.grids) == {row.algorithm for row in s.rows}
+        assert s.tuning.grids["fedprox"]["algorithm.mu"] == (0.001, 0.01, 0.1, 1.0)
+        assert all(g["train.lr"] == base.LRS for g in s.tuning.grids.values())
 
 
 def test_fednova_note_follows_the_logged_step_counts():
