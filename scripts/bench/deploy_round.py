@@ -3,7 +3,8 @@
 
 Starts a SuperLink and ``--nodes`` SuperNodes on loopback (tests/flower_utils.py's ``Federation``:
 free ports, ``FLWR_HOME`` in a temporary folder, every process stopped by PID), runs FedAvg on
-Fashion-MNIST with every node in every round through ``flwr run``, and reads back each ClientApp's
+Fashion-MNIST with ``--per-round`` of the nodes in each round (default: every node) through ``flwr run``,
+and reads back each ClientApp's
 ``timing`` line (fl_platform/flower/client_app.py) from the SuperNodes' logs and the server's
 ``metrics.jsonl``. Per round it prints the median over the devices of each phase:
 
@@ -16,13 +17,17 @@ Fashion-MNIST with every node in every round through ``flwr run``, and reads bac
   rest          the server's round time minus the slowest device's process time: Flower's polling,
                 transfer, the server's aggregation and evaluation
 
-and checks the target: after round 1, our share beyond training is at most 0.3 s per device.
+and checks the target: after a node's first round (its node cache holds the set-up: ``set_up`` hit), our
+share beyond training is at most 0.3 s per device (median over those device-rounds).
 
     FL_DATA_ROOT=/path/to/data python scripts/bench/deploy_round.py            # 10 nodes, 4 rounds
     python scripts/bench/deploy_round.py --nodes 3 --rounds 3 --no-cache      # cache-entries=0 on the nodes
+    python scripts/bench/deploy_round.py --nodes 10 --per-round 1 --rounds 25 # one device at a time
 
-Ten SuperNodes on a 2-core machine start ten Python processes at once per round: run it niced, and
-read wall times on a shared machine as upper bounds (CPU seconds are printed beside them).
+Ten SuperNodes on a 2-core machine start ten Python processes at once per round, so each device's wall
+time is several times what it would be on a device of its own: ``--per-round 1`` runs one ClientApp at a
+time (a device's round undisturbed). Run it niced, and read wall times on a shared machine as upper bounds
+(CPU seconds are printed beside them).
 """
 
 from __future__ import annotations
@@ -92,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--per-round", type=int, default=None, help="clients per round (default: every node)")
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--steps", type=int, default=50, help="local steps per round (train.steps)")
     parser.add_argument("--no-cache", action="store_true", help="start the nodes with cache-entries=0")
@@ -106,9 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     if not any((root / f).is_dir() for f in ("fashion-mnist", "FashionMNIST")):
         print(f"skipped: Fashion-MNIST not found under the data root {root} (set FL_DATA_ROOT)")
         return 0
+    per_round = args.per_round or args.nodes
+    if not 1 <= per_round <= args.nodes:
+        parser.error(f"--per-round must be in [1, --nodes={args.nodes}], got {per_round}")
     Federation, _ = federation_class()
     overrides = ["dataset=fashion_mnist", f"model={args.model}", f"num_clients={args.nodes}",
-                 f"clients_per_round={args.nodes}", f"rounds={args.rounds}", "partition=iid",
+                 f"clients_per_round={per_round}", f"rounds={args.rounds}", "partition=iid",
                  f"train.steps={args.steps}", "train.batch_size=32", "logger.progress=false"]
     with tempfile.TemporaryDirectory(prefix="deploy-round-") as tmp:
         home = Path(tmp)
@@ -136,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             fed.stop()
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     table = summarise(timings, rows)
-    print(f"{args.nodes} SuperNodes on loopback, Fashion-MNIST, model={args.model}, {args.steps} local steps, "
-          f"cache {'off' if args.no_cache else 'on'}; {time.monotonic() - started:.0f} s in all")
+    print(f"{args.nodes} SuperNodes on loopback, {per_round} per round, Fashion-MNIST, model={args.model}, "
+          f"{args.steps} local steps, cache {'off' if args.no_cache else 'on'}; {time.monotonic() - started:.0f} s in all")
     print("round  round_s  flower_start  torch  ours (cpu)  = module + imports + set-up + codec  train (cpu)  rest  "
           "ours max (cpu)  set-up")
     for e in table:
@@ -145,19 +154,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{e['ours']:4.2f} ({e['ours_cpu']:4.2f})    {e['module_import']:5.3f}  {e['our_imports']:7.3f}  "
               f"{e['prepare']:6.3f}  {e['codec']:5.3f}  {e['train']:5.2f} ({e['train_cpu']:4.2f})  "
               f"{e.get('rest', float('nan')):5.2f}  {e['ours_max']:5.2f} ({e['ours_cpu_max']:4.2f})  {e['set_up']}")
-    later = [e for e in table if e["round"] > 1]
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rounds": table,
                                          "devices": timings},
                                         indent=1))
-    if not later:
-        return 0
-    ours = statistics.median(e["ours"] for e in later)
-    ours_cpu = statistics.median(e["ours_cpu"] for e in later)
+    hits = [t for t in timings if t["set_up"] == "hit"]  # a node's later rounds: its cache holds the set-up
+    if not hits:
+        print("no device-round found its set-up in the node cache: nothing to check the target on")
+        return 0 if args.no_cache else 2
+    ours = statistics.median(t["ours"] for t in hits)
+    ours_cpu = statistics.median(t["ours_cpu"] for t in hits)
     ok = ours <= TARGET_S
-    print(f"our share beyond training after round 1: median {ours:.3f} s wall ({ours_cpu:.3f} s CPU), "
-          f"slowest device {max(e['ours_max'] for e in later):.3f} s; target <= {TARGET_S} s: "
-          f"{'met' if ok else 'NOT met'}")
+    print(f"our share beyond training after a node's first round ({len(hits)} device-rounds with a cache hit): "
+          f"median {ours:.3f} s wall ({ours_cpu:.3f} s CPU), slowest {max(t['ours'] for t in hits):.3f} s wall "
+          f"({max(t['ours_cpu'] for t in hits):.3f} s CPU); target <= {TARGET_S} s: {'met' if ok else 'NOT met'}")
     return 0 if ok else 2
 
 
