@@ -744,15 +744,12 @@ def resolved(overrides: Sequence[str]) -> dict[str, str]:
     return dict(o.split("=", 1) for o in last_wins(overrides))
 
 
-def stale_artefacts(jobs: Sequence[Job], artefacts: Path) -> list[Job]:
-    """The planned runs whose artefact was made with other settings than the plan's (e.g. a tuned row run
-    before its tuning chose another learning rate): they are run again, never reported as the row."""
-    out = []
-    for job in jobs:
-        path = artefacts / job.name / "run.json"
-        if path.exists() and resolved(json.loads(path.read_text())["overrides"]) != resolved(job.overrides):
-            out.append(job)
-    return out
+def stale_artefacts(jobs: Sequence[Job], cells: dict[str, dict[int, Run]]) -> list[Job]:
+    """The planned runs whose artefact (in ``cells``, as load_cells read them) was made with other settings than
+    the plan's (e.g. a tuned row run before its tuning chose another learning rate): they are run again, never
+    reported as the row."""
+    return [job for job in jobs if (run := cells.get(job.cell, {}).get(job.seed)) is not None
+            and resolved(run["stats"]["overrides"]) != resolved(job.overrides)]
 
 
 def tuning_table(s: Setting, cells: dict[str, dict[int, Run]], labels: dict[str, str]) -> str:
@@ -1038,10 +1035,11 @@ def cli(doc: str, argv: list[str] | None, description: str,
     settings = settings_of(args.budget, args.preset)
     code = None
     while not args.from_artefacts:  # twice where tuned rows wait for their tuning runs
-        choose_tuned(settings, load_cells(artefacts) if artefacts.exists() else {})
+        cells = load_cells(artefacts) if artefacts.exists() else {}
+        choose_tuned(settings, cells)
         planned = [j for j in setting_jobs(settings, args.max_priority)
                    if args.only is None or any(fnmatch.fnmatchcase(j.name, p) for p in args.only)]
-        stale = stale_artefacts(planned, artefacts)
+        stale = stale_artefacts(planned, cells)
         todo = [j for j in planned if j in stale or not (artefacts / j.name / "run.json").exists()]
         need: dict[str, int] = {}
         for s in settings:
@@ -1069,7 +1067,7 @@ def cli(doc: str, argv: list[str] | None, description: str,
             break
     cells = load_cells(artefacts) if artefacts.exists() else {}
     choose_tuned(settings, cells)
-    wrong = [j.name for j in stale_artefacts(setting_jobs(settings), artefacts)]
+    wrong = [j.name for j in stale_artefacts(setting_jobs(settings), cells)]
     wrong += [f"{row}/s{seed}" for row in waiting_rows(settings) for seed in cells.get(row, {})]
     if wrong:  # never a row from runs it does not plan (e.g. a learning rate its tuning did not choose)
         print(f"{len(wrong)} artefacts are not the runs their rows plan (made with other settings, or a tuned row's "
