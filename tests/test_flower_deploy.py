@@ -72,9 +72,15 @@ def diagnostics(fed: Federation, proc_out: str = "") -> str:
     return f"{proc_out[-3000:]}\n{logs}"
 
 
-def flower_run(fed: Federation, tmp: Path, overrides: list[str], **deploy) -> Path:
+@pytest.fixture(scope="module")
+def app(tmp_path_factory) -> str:
+    """The app folder every ``flwr run`` here packages (flower_utils.stage_app: the FAB of ``flwr run .``)."""
+    return str(flower_utils.stage_app(tmp_path_factory.mktemp("app")))
+
+
+def flower_run(fed: Federation, app: str, tmp: Path, overrides: list[str], **deploy) -> Path:
     path, run_dir = write_run_config(tmp, overrides, **deploy)
-    proc = fed.flwr("run", ".", fed.connection, "--run-config", str(path), "--stream", timeout=RUN_TIMEOUT,
+    proc = fed.flwr("run", app, fed.connection, "--run-config", str(path), "--stream", timeout=RUN_TIMEOUT,
                     check=False)
     assert (run_dir / "summary.json").exists(), f"flwr run did not finish:\n{diagnostics(fed, proc.stdout + proc.stderr)}"
     return run_dir
@@ -137,13 +143,13 @@ def secure(tmp_path_factory):
         fed.stop()
 
 
-def test_tls_and_node_auth_scaffold_equals_the_simulator_and_refuses_unregistered_nodes(secure, tmp_path):
+def test_tls_and_node_auth_scaffold_equals_the_simulator_and_refuses_unregistered_nodes(secure, app, tmp_path):
     """Over TLS with SuperNode authentication, SCAFFOLD through Flower equals the simulator: the final model,
     every result row and the run dir's layout (FedAvg's path with client state on top: it is equal only if
     every SuperNode kept its client's c_i from round to round, since from round 2 on each client's gradient
     correction is c - c_i; FedAvg alone is compared in the resume test below). The SuperNode with an
     unregistered key is refused. (One run for both: each Flower round starts a process per message.)"""
-    flower_dir = flower_run(secure, tmp_path, ["algorithm=scaffold", *TWO_ROUNDS])
+    flower_dir = flower_run(secure, app, tmp_path, ["algorithm=scaffold", *TWO_ROUNDS])
     sim_dir = simulate(tmp_path, ["algorithm=scaffold", *TWO_ROUNDS])
     assert_same_model(flower_dir, sim_dir)
     assert_run_dir_like_the_simulators(flower_dir, sim_dir)
@@ -163,7 +169,7 @@ def test_tls_and_node_auth_scaffold_equals_the_simulator_and_refuses_unregistere
     assert len(summary["nodes"]) == 3
 
 
-def test_a_supernode_killed_mid_run_does_not_stop_the_run(secure, tmp_path):
+def test_a_supernode_killed_mid_run_does_not_stop_the_run(secure, app, tmp_path):
     """The node of client 2 disappears (SIGKILL, no goodbye) once it received its round-2 message.
 
     Round 2 ends when the SuperLink declares the node unavailable (its heartbeats stop: <= 60 s)
@@ -171,7 +177,7 @@ def test_a_supernode_killed_mid_run_does_not_stop_the_run(secure, tmp_path):
     round 3 goes on without the node. (The timeout path alone is tested in test_flower_unit.py.)
     """
     path, run_dir = write_run_config(tmp_path, ["algorithm=fedavg"], round_timeout=120.0, min_replies=1)
-    proc = subprocess.Popen([str(flower_utils.BIN / "flwr"), "run", ".", secure.connection, "--run-config", str(path),
+    proc = subprocess.Popen([str(flower_utils.BIN / "flwr"), "run", app, secure.connection, "--run-config", str(path),
                              "--stream"], env=secure.env, cwd=flower_utils.REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -207,7 +213,7 @@ def test_a_supernode_killed_mid_run_does_not_stop_the_run(secure, tmp_path):
 
 
 @pytest.mark.xdist_group("own_federation")  # its own federation: may run beside the TLS one
-def test_a_flower_run_resumes_after_the_superlink_and_serverapp_are_killed(tmp_path):
+def test_a_flower_run_resumes_after_the_superlink_and_serverapp_are_killed(app, tmp_path):
     """2 SuperNodes, 2 rounds, checkpoint_every=1. Once round 1's checkpoint is published the SuperLink's
     process group (the ServerApp with it) and the SuperNodes are killed (SIGKILL); a fresh SuperLink and
     SuperNodes are started and ``flwr run`` is given the same run config: it continues after the checkpoint
@@ -229,7 +235,7 @@ def test_a_flower_run_resumes_after_the_superlink_and_serverapp_are_killed(tmp_p
         start("a")
         first = tmp_path / "first_run.log"
         with open(first, "wb") as out_file:
-            proc = subprocess.Popen([str(flower_utils.BIN / "flwr"), "run", ".", fed.connection, "--run-config",
+            proc = subprocess.Popen([str(flower_utils.BIN / "flwr"), "run", app, fed.connection, "--run-config",
                                      str(path), "--stream"], env=fed.env, cwd=flower_utils.REPO, stdout=out_file,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + RUN_TIMEOUT
@@ -244,7 +250,7 @@ def test_a_flower_run_resumes_after_the_superlink_and_serverapp_are_killed(tmp_p
         killed_at = latest.read_text().strip()
         before = (run_dir / "server.log").read_text()
         start("b")
-        out = fed.flwr("run", ".", fed.connection, "--run-config", str(path), "--stream", timeout=RUN_TIMEOUT,
+        out = fed.flwr("run", app, fed.connection, "--run-config", str(path), "--stream", timeout=RUN_TIMEOUT,
                        check=False)
         assert (run_dir / "summary.json").exists(), (
             f"the resumed run did not finish:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}\n"
@@ -275,7 +281,7 @@ def test_a_flower_run_resumes_after_the_superlink_and_serverapp_are_killed(tmp_p
 
 
 @pytest.mark.xdist_group("own_federation")  # its own federation: may run beside the TLS one
-def test_an_entry_point_plugins_own_field_deploys_without_editing_pyproject(tmp_path, monkeypatch):
+def test_an_entry_point_plugins_own_field_deploys_without_editing_pyproject(app, tmp_path, monkeypatch):
     """tests/plugin_pkg installed (an fl_platform.algorithms entry point, clip_ep) and on every process's path:
     its own field algorithm.max_norm and the custom loader's dataset.n travel in the run config's ``extra``
     (pyproject.toml untouched, so the SuperLink accepts the run) and the run equals the simulator's."""
@@ -293,7 +299,7 @@ def test_an_entry_point_plugins_own_field_deploys_without_editing_pyproject(tmp_
         fed.start_superlink()
         for i in range(3):  # (no data-root: the plug-in's loader makes its data and takes no root)
             fed.start_supernode(f"partition-id={i} num-partitions=3 threads=1", name=f"node{i}")
-        flower_dir = flower_run(fed, tmp_path, overrides)
+        flower_dir = flower_run(fed, app, tmp_path, overrides)
         given = OmegaConf.load(flower_dir / "config.yaml")
         assert (given.algorithm.name, given.algorithm.max_norm, given.dataset.n) == (name, 0.05, 240)
         assert_same_model(flower_dir, simulate(tmp_path, overrides))

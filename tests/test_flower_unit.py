@@ -410,11 +410,14 @@ def test_strategy_rejects_wrong_shapes_and_non_finite_replies(caplog):
     assert "client 2 rejected: malformed reply: weight 'n' must be a finite number" in text
 
 
-def test_fab_holds_the_app_and_nothing_heavy():
+def test_fab_holds_the_app_and_nothing_heavy(tmp_path):
+    """`flwr run .` packages the app and nothing heavy; the staged folder the deployment tests run
+    (flower_utils.stage_app) packages the very same FAB."""
     from flwr.cli.build import build_fab_from_disk
 
     root = Path(__file__).resolve().parents[1]
     fab = build_fab_from_disk(root)
+    assert build_fab_from_disk(flower_utils.stage_app(tmp_path / "app")) == fab
     names = zipfile.ZipFile(BytesIO(fab)).namelist()
     for needed in ("fl_platform/flower/server_app.py", "fl_platform/flower/client_app.py", "conf/config.yaml",
                    "algorithms/fedavg.py", "datasets/federated.py", "pyproject.toml"):
