@@ -293,7 +293,10 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def load_artefact(folder: Path) -> Run:
     rows = [json.loads(line) for line in gzip.decompress((folder / "metrics.jsonl.gz").read_bytes()).decode().splitlines()
             if line.strip()]
-    return {"name": folder.name, "config": _flatten(yaml.safe_load((folder / "config.yaml").read_text()) or {}),
+    # libyaml's safe loader (in PyYAML's wheels): the same documents as yaml.safe_load, ~9x faster over
+    # the hundreds of artefacts a document reads
+    config = yaml.load((folder / "config.yaml").read_text(), Loader=yaml.CSafeLoader) or {}
+    return {"name": folder.name, "config": _flatten(config),
             "summary": json.loads((folder / "summary.json").read_text()),
             "stats": json.loads((folder / "run.json").read_text()), "rows": rows}
 
