@@ -76,8 +76,8 @@ def rows_of(b: Budget, seeds5: list[int], seeds10: list[int]) -> list[Row]:
             ["train.shuffle_offset=1"], seeds10, "only the clients' minibatch orders changed (train.shuffle_offset=1)"),
         Row("fedavg_cal", "One-shot FedAvg + FuseFL's calibration", "fedavg", cal, seeds5),
         Row("ensemble_cal", "Ensemble + FuseFL's calibration", "ensemble", cal, seeds5),
-        Row("feddf", "FedDF, distilled on held-out Fashion-MNIST", "feddf", [], seeds5),
-        Row("feddf_ood", "FedDF, distilled on FEMNIST (out of domain)", "feddf", ["algorithm.distill_set=femnist"], seeds5),
+        Row("feddf", "FedDF, distilled on held-out Fashion-MNIST", "feddf", [], seeds10),
+        Row("feddf_ood", "FedDF, distilled on FEMNIST (out of domain)", "feddf", ["algorithm.distill_set=femnist"], seeds10),
         Row("fusefl_k2", "FuseFL K=2", "fusefl", [f"algorithm.local_epochs={max(1, b.epochs // 2)}", *fusefl], seeds10),
         Row("fedavg_multi", f"FedAvg, {b.epochs} rounds x 1 epoch", "fedavg", [f"rounds={b.epochs}", "train.epochs=1"],
             seeds10),
@@ -87,7 +87,7 @@ def rows_of(b: Budget, seeds5: list[int], seeds10: list[int]) -> list[Row]:
         # DENSE and Fed-ADI on 10 seeds: DENSE's claim is over Fed-ADI (its best baseline), paired by seed
         Row("dense", "DENSE", "dense", [f"algorithm.epochs={b.gen}"], seeds10, priority=2),
         Row("adi", "Fed-ADI", "adi", [f"algorithm.epochs={b.gen}"], seeds10, priority=2),
-        Row("coboost", "Co-Boosting", "coboost", [f"algorithm.epochs={b.gen}"], seeds5, priority=2),
+        Row("coboost", "Co-Boosting", "coboost", [f"algorithm.epochs={b.gen}"], seeds10, priority=2),
         # the budget curve: twice the local epochs / generator epochs
         Row("fedavg_e2", f"One-shot FedAvg, {b.epochs2} local epochs", "fedavg", [f"train.epochs={b.epochs2}"], seeds5,
             priority=3),
