@@ -13,6 +13,7 @@ every runtime, with the config as strict as for the built-ins.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -125,6 +126,36 @@ def install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> str:
     monkeypatch.syspath_prepend(str(site))
     register_configs()
     return name
+
+
+def _dist(site: Path, name: str) -> Path:
+    info = site / f"{name}-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{plugins.ALGORITHM_ENTRY_POINTS}]\n{name} = {name}.alg:SPEC\n")
+    return info
+
+
+def test_entry_points_are_read_once_and_again_when_a_distribution_comes_or_goes(tmp_path, monkeypatch):
+    """plugins.entry_points caches per state of sys.path (each folder's modification time): a second call
+    reads no metadata, and a distribution installed into (or removed from) a folder already on the path is
+    seen at the next call."""
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    group = plugins.ALGORITHM_ENTRY_POINTS
+    reads = []
+    scan = importlib.metadata.entry_points
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: reads.append(kw) or scan(**kw))
+    assert "ep_probe_a" not in plugins.entry_points(group)
+    assert "ep_probe_a" not in plugins.entry_points(group) and len(reads) == 1
+    first = _dist(site, "ep_probe_a")
+    assert "ep_probe_a" in plugins.entry_points(group)
+    _dist(site, "ep_probe_b")
+    assert {"ep_probe_a", "ep_probe_b"} <= set(plugins.entry_points(group))
+    shutil.rmtree(first)
+    found = plugins.entry_points(group)
+    assert "ep_probe_a" not in found and "ep_probe_b" in found and len(reads) == 4
 
 
 @pytest.fixture
