@@ -27,6 +27,7 @@ anything is allocated, a run or a calibration whose distribution would exceed ``
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -150,6 +151,21 @@ def _epsilon_of(acc: dpa.PrivacyAccountant, event: dpa.DpEvent, delta: float) ->
     return float(acc.get_epsilon(delta))
 
 
+@functools.lru_cache(maxsize=64)
+def _rdp_of_one_round(mode: str, noise_multiplier: float, num_clients: int, clients_per_round: int,
+                      sampling: str) -> tuple[np.ndarray, np.ndarray]:
+    """(orders, RDP of one round at each order): computed once per mechanism and sampler in a process
+    (~0.1 s: a sweep's seeds, a test module's runs share it); read-only, a round count multiplies it."""
+    event, relation = round_event(mode, noise_multiplier, num_clients, clients_per_round, sampling, "rdp")
+    acc = fresh_accountant("rdp", relation)
+    if not acc.supports(event):
+        raise UncoveredConfiguration(f"dp-accounting's RDP accountant does not support {event}")
+    acc.compose(event)
+    orders, per_round = np.array(acc.orders, dtype=float), np.array(acc.rdp, dtype=float)
+    orders.flags.writeable = per_round.flags.writeable = False
+    return orders, per_round
+
+
 class Accountant:
     """Epsilon at ``delta`` after r rounds, for the run's mechanism and sampler (memoised per r)."""
 
@@ -189,11 +205,8 @@ class Accountant:
                                       self.kind)
         if self.kind == "rdp":
             if self._rdp is None:
-                acc = fresh_accountant("rdp", relation)
-                if not acc.supports(event):
-                    raise UncoveredConfiguration(f"dp-accounting's RDP accountant does not support {event}")
-                acc.compose(event)
-                self._rdp = (acc.orders, acc.rdp)
+                self._rdp = _rdp_of_one_round(self.mode, self.z, self.num_clients, self.clients_per_round,
+                                              self.sampling)
             orders, per_round = self._rdp
             return float(rdp_privacy_accountant.compute_epsilon(orders, rounds * per_round, self.delta)[0])
         check_pld_size(self.mode, self.kind, self.z, rounds, self.num_clients, self.clients_per_round, self.sampling)
