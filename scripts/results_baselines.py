@@ -31,8 +31,8 @@ DOC = "baselines"
 LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD", "fednova": "FedNova"}
 #: The standard catalogue (docs/algorithms/catalogue.md): rows beside the baselines, paired with FedAvg.
 CATALOGUE = {"fedadam": "FedAdam", "fedyogi": "FedYogi", "fedadagrad": "FedAdagrad", "feddyn": "FedDyn", "moon": "MOON"}
-LRS = (0.02, 0.05, 0.1, 0.2, 0.5)  # client SGD learning rates every method is tuned over
-SERVER_LRS = {"adam": (0.003, 0.01, 0.03), "yogi": (0.003, 0.01, 0.03), "adagrad": (0.03, 0.1, 0.3)}  # eta
+LRS = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0)  # client SGD learning rates every method is tuned over
+SERVER_LRS = {"adam": (0.003, 0.01, 0.03, 0.1), "yogi": (0.003, 0.01, 0.03, 0.1), "adagrad": (0.03, 0.1, 0.3, 1.0)}  # eta
 GRIDS = {"fedavg": {"train.lr": LRS}, "fedprox": {"train.lr": LRS, "algorithm.mu": (0.001, 0.01, 0.1, 1.0)},
          "scaffold": {"train.lr": LRS}, "fednova": {"train.lr": LRS}, "feddyn": {"train.lr": LRS},
          "moon": {"train.lr": LRS}, **{f"fed{o}": {"train.lr": LRS, "server_opt.lr": v} for o, v in SERVER_LRS.items()}}
