@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -149,10 +150,14 @@ def test_entry_points_are_read_once_and_again_when_a_distribution_comes_or_goes(
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: reads.append(kw) or scan(**kw))
     assert "ep_probe_a" not in plugins.entry_points(group)
     assert "ep_probe_a" not in plugins.entry_points(group) and len(reads) == 1
+    tick = 0.05  # each change lands after a tick of the filesystem's timestamp clock (<= 10 ms), as pip's do
+    time.sleep(tick)
     first = _dist(site, "ep_probe_a")
     assert "ep_probe_a" in plugins.entry_points(group)
+    time.sleep(tick)
     _dist(site, "ep_probe_b")
     assert {"ep_probe_a", "ep_probe_b"} <= set(plugins.entry_points(group))
+    time.sleep(tick)
     shutil.rmtree(first)
     found = plugins.entry_points(group)
     assert "ep_probe_a" not in found and "ep_probe_b" in found and len(reads) == 4
