@@ -631,10 +631,16 @@ class Tuning:
     grids: dict[str, dict[str, tuple[float, ...]]]  # algorithm (Setting.algorithm_overrides key) -> key -> values
     seeds: tuple[int, ...]
 
-    def combos(self, algorithm: str) -> list[tuple[str, ...]]:
-        """The grid's combinations as override tuples, in grid order (the first key varies slowest)."""
+    def points(self, algorithm: str) -> list[tuple[tuple[float, ...], tuple[str, ...]]]:
+        """Each combination of the grid as (its values, its override tuple), in grid order (the first key
+        varies slowest)."""
         grid = self.grids[algorithm]
-        return [tuple(f"{k}={v:g}" for k, v in zip(grid, values)) for values in itertools.product(*grid.values())]
+        return [(values, tuple(f"{k}={v:g}" for k, v in zip(grid, values)))
+                for values in itertools.product(*grid.values())]
+
+    def combos(self, algorithm: str) -> list[tuple[str, ...]]:
+        """The grid's combinations as override tuples, in grid order."""
+        return [combo for _, combo in self.points(algorithm)]
 
 
 def combo_tag(combo: Sequence[str]) -> str:
@@ -769,12 +775,14 @@ def tuning_table(s: Setting, cells: dict[str, dict[int, Run]], labels: dict[str,
     for a, grid in s.tuning.grids.items():
         scores = tuning_scores(s, cells, a)
         win = s.chosen.get(a)
+        combo_of = dict(s.tuning.points(a))  # values -> override tuple
+        win_values = next((v for v, c in combo_of.items() if c == win), None)
         others = list(grid)[1:]
         for rest in itertools.product(*(grid[k] for k in others)):
             cells_row = []
             for v in columns:
-                combo = tuple(f"{k}={x:g}" for k, x in zip([key, *others], [v, *rest]))
-                if v not in grid[key]:
+                combo = combo_of.get((v, *rest))
+                if combo is None:
                     cells_row.append("-")  # not in this algorithm's grid
                     continue
                 score = scores[combo]
@@ -782,9 +790,8 @@ def tuning_table(s: Setting, cells: dict[str, dict[int, Run]], labels: dict[str,
                 cells_row.append(f"**{text}**" if combo == win else text)
             name = labels.get(a, a) + "".join(f", {k} = {x:g}" for k, x in zip(others, rest))
             edge = "-"
-            if win is not None and rest == tuple(float(o.split("=")[1]) for o in win[1:]):
-                values = [float(o.split("=")[1]) for o in win]
-                at_edge = [k for k, x in zip(grid, values) if len(grid[k]) > 1 and x in (min(grid[k]), max(grid[k]))]
+            if win_values is not None and tuple(rest) == win_values[1:]:
+                at_edge = [k for k, x in zip(grid, win_values) if len(grid[k]) > 1 and x in (min(grid[k]), max(grid[k]))]
                 edge = " ".join(win) + (f" (at the grid's edge in {', '.join(at_edge)})" if at_edge else "")
             table.append([name, *cells_row, edge])
     return md_table(["algorithm", *(f"{key} = {v:g}" for v in columns), "chosen"], table)
