@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,9 +27,11 @@ from fl_platform.flower.local import LocalGrid  # noqa: F401  (re-exported: the 
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-# What `flwr run .` packages from this checkout (pyproject.toml's fab-include), with the .gitignore it applies.
+# What `flwr run .` packages from this checkout: the top folders of pyproject.toml's fab-include patterns,
+# with pyproject.toml itself and the .gitignore Flower applies.
 APP_FILES = ("pyproject.toml", ".gitignore")
-APP_TREES = ("fl_platform", "algorithms", "datasets", "conf")
+APP_TREES = tuple(sorted({pattern.split("/")[0] for pattern in tomllib.loads(
+    (REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["fab-include"]}))
 
 
 def stage_app(dest: Path) -> Path:
