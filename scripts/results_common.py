@@ -68,6 +68,7 @@ class Job:
     cell: str
     seed: int
     overrides: list[str]
+    metrics: tuple[str, ...] | None = None  # the metrics columns its artefact keeps (None: every column)
 
     @property
     def name(self) -> str:
@@ -121,7 +122,7 @@ def run_job(job: Job, runs: Path, artefacts: Path, code: tuple[Path, str], threa
         stats = {"cpu_s": round(usage.ru_utime + usage.ru_stime, 2), "wall_s": round(time.perf_counter() - t0, 2),
                  "commit": code[1], "overrides": job.overrides, "row_cpu_s": row_cpu}
         (run_dir / "run.json").write_text(json.dumps(stats, indent=1) + "\n")
-    export_artefact(run_dir, dest)
+    export_artefact(run_dir, dest, job.metrics)
     return json.loads((dest / "run.json").read_text())
 
 
@@ -264,9 +265,17 @@ def _gzip_bytes(data: bytes) -> bytes:
     return buf.getvalue()
 
 
-def export_artefact(run_dir: Path, dest: Path) -> None:
+def keep_columns(metrics: bytes, keep: Sequence[str]) -> bytes:
+    """A metrics.jsonl with only the columns ``keep`` of each row (in the row's order)."""
+    rows = (json.loads(line) for line in metrics.decode().splitlines() if line.strip())
+    return "".join(json.dumps({k: v for k, v in row.items() if k in keep}) + "\n" for row in rows).encode()
+
+
+def export_artefact(run_dir: Path, dest: Path, metrics: Sequence[str] | None = None) -> None:
     """Copy a finished run's summary, config and run.json, and its metrics gzip-compressed (fixed
-    header, so the bytes depend on the content only). Refuses files that name a machine path."""
+    header, so the bytes depend on the content only), with only the columns ``metrics`` if given (a
+    tuning run's artefact keeps what the choice reads: TUNING_METRICS). Refuses files that name a
+    machine path."""
     files = {"summary.json": (run_dir / "summary.json").read_bytes(), "config.yaml": (run_dir / "config.yaml").read_bytes(),
              "run.json": (run_dir / "run.json").read_bytes()}
     for name, data in files.items():
@@ -277,7 +286,8 @@ def export_artefact(run_dir: Path, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
         (dest / name).write_bytes(data)
-    (dest / "metrics.jsonl.gz").write_bytes(_gzip_bytes((run_dir / "metrics.jsonl").read_bytes()))
+    rows = (run_dir / "metrics.jsonl").read_bytes()
+    (dest / "metrics.jsonl.gz").write_bytes(_gzip_bytes(rows if metrics is None else keep_columns(rows, metrics)))
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -643,6 +653,11 @@ class Tuning:
         return [combo for _, combo in self.points(algorithm)]
 
 
+# What a tuning run's artefact keeps of its metrics: the validation columns the choice reads (no test
+# metric, so no table can be built from a tuning run's test accuracy) and the round they belong to.
+TUNING_METRICS = ("round", "val_accuracy", "val_loss")
+
+
 def combo_tag(combo: Sequence[str]) -> str:
     """The folder of one combination's tuning runs: ``train.lr=0.05, algorithm.mu=0.1`` -> ``train.lr0.05_algorithm.mu0.1``."""
     return "_".join(o.replace("=", "") for o in combo)
@@ -689,7 +704,7 @@ class Setting:
             return []
         validation = [f"early_stop.patience={self.rounds + 1}"]  # more than the run's evaluations: never stops
         return [Job(f"{self.name}/tune/{a}/{combo_tag(c)}", seed,
-                    [*self.overrides_of(Row(a, a, a, [], [])), *c, *validation, f"seed={seed}"])
+                    [*self.overrides_of(Row(a, a, a, [], [])), *c, *validation, f"seed={seed}"], TUNING_METRICS)
                 for a in self.tuning.grids for c in self.tuning.combos(a) for seed in self.tuning.seeds]
 
     def row(self, tag: str) -> Row | None:

@@ -329,6 +329,32 @@ def test_a_run_leaves_an_artefact_that_loads_back_and_is_not_rerun(tmp_path):
         rc.export_artefact(runs / "x", tmp_path / "refused")
 
 
+def test_a_tuning_runs_artefact_keeps_the_validation_columns_only(tmp_path):
+    """What the tuning choice reads and nothing else: no test metric reaches a tuning run's artefact (so no
+    table can be built from one), and the artefacts stay small (a tuning run's metrics are ~0.5 KB, not ~6 KB)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"round": 1, "bytes_up": 3, "test_accuracy": 0.5, "val_accuracy": 0.4, "val_loss": 1.5, "train_loss": 2.0},
+            {"round": 2, "bytes_up": 3, "train_loss": 1.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name in ("summary.json", "run.json"):
+        (run / name).write_text("{}")
+    (run / "config.yaml").write_text("seed: 0\n")
+    rc.export_artefact(run, tmp_path / "art" / "tune" / "s0", rc.TUNING_METRICS)
+    rc.export_artefact(run, tmp_path / "art" / "row" / "s0")
+    cells = rc.load_cells(tmp_path / "art")
+    assert cells["tune"][0]["rows"] == [{"round": 1, "val_accuracy": 0.4, "val_loss": 1.5}, {"round": 2}]
+    assert cells["row"][0]["rows"] == rows
+
+
+def test_the_committed_tuning_artefacts_hold_no_test_metric():
+    tuning = [p for p in rc.DATA.rglob("metrics.jsonl.gz") if "/tune/" in p.as_posix()]
+    assert tuning
+    for path in tuning:
+        rows = [json.loads(x) for x in gzip.decompress(path.read_bytes()).decode().splitlines()]
+        assert set().union(*rows) <= set(rc.TUNING_METRICS) and any("val_accuracy" in r for r in rows), path
+
+
 def _fake_artefact(folder, accs, cpu_per_round, overrides=()):
     """A run's artefact with given evaluations (every other round), CPU cost per round and CLI overrides (the
     plan's: a document refuses an artefact made with other settings than its row plans)."""
@@ -473,6 +499,9 @@ def test_tuning_chooses_on_the_validation_split_never_the_test_set():
     # the tuning runs carry the validation split and never stop early; every combination on every tuning seed
     tune = [j for j in jobs.values() if "/tune/" in j.name]
     assert len(tune) == (2 + 4) * 2 and all(rc.resolved(j.overrides)["early_stop.patience"] == "5" for j in tune)
+    # their artefacts keep the validation columns only; a table row's keep every column
+    assert {j.metrics for j in jobs.values()} == {rc.TUNING_METRICS, None}
+    assert all((j.metrics is None) == ("/tune/" not in j.name) for j in jobs.values())
     # a tie goes to the first in grid order
     scores[("fedavg", hi)] = scores[("fedavg", lo)]
     rc.choose_tuned([s], _tuning_cells(scores))
