@@ -502,8 +502,10 @@ def verdict(claim: PaperClaim, ours: Interval | None, against: str | None = None
                             f"{against}, a comparison the paper does not make")
     if ours is None or ours.n < MIN_SEEDS:
         return "untested", f"{0 if ours is None else ours.n} paired seeds; a verdict needs >= {MIN_SEEDS}"
-    if claim.untuned:
-        return "untested", f"{claim.untuned}; a verdict compares tuned against tuned"
+    if claim.untuned:  # and where the result is not the paper's, the budget would keep it untested too
+        short = (f"; run at {claim.budget:.0%} of the paper's budget as well" if claim.budget < 1
+                 and ours.sign != claim.direction else "")
+        return "untested", f"{claim.untuned}; a verdict compares tuned against tuned{short}"
     others = [b for b in claim.baselines if b != against]
     beside, untested = [b for b in others if b in set(elsewhere)], [b for b in others if b not in set(elsewhere)]
     if beside:

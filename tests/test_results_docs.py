@@ -161,6 +161,12 @@ def test_a_verdict_compares_tuned_against_tuned():
     ((c, iv, against),) = [r for r in rc.verdict_rows(s, {"x": _ten(0.02)}, ["x"])]
     v, why = rc.verdict(c, iv, against)
     assert v == "untested" and why.startswith("X and FedAvg not tuned (learning rate 0.05")
+    assert "budget" not in why  # on the paper's side: the budget does not matter
+    # untuned and short of the paper's budget with a result that is not the paper's: both reasons are given
+    short = replace(c, budget=0.1)
+    assert rc.verdict(short, _ten(0.0), against)[1].endswith("tuned against tuned; run at 10% of the paper's budget as well")
+    assert "budget" not in rc.verdict(short, _ten(0.02), against)[1]
+    assert "budget as well" in rc.verdict(short, _ten(-0.02), against)[1]
     tuned = replace(s, rows=[replace(r, tuned=True) for r in rows], chosen={"fedavg": ("train.lr=0.1",)},
                     tuning=rc.Tuning({"fedavg": {"train.lr": (0.1,)}}, (100,)))
     ((c, iv, against),) = rc.verdict_rows(tuned, {"x": _ten(0.02)}, ["x"])
