@@ -138,9 +138,9 @@ def _dist(site: Path, name: str) -> Path:
 
 
 def test_entry_points_are_read_once_and_again_when_a_distribution_comes_or_goes(tmp_path, monkeypatch):
-    """plugins.entry_points caches per state of sys.path (each folder's modification time): a second call
-    reads no metadata, and a distribution installed into (or removed from) a folder already on the path is
-    seen at the next call."""
+    """plugins.entry_points caches per state of sys.path (each folder's modification time and its
+    entry_points.txt files'): a second call reads no metadata, and a distribution installed into (or removed
+    from) a folder already on the path, or an entry_points.txt edited in place, is seen at the next call."""
     site = tmp_path / "site"
     site.mkdir()
     monkeypatch.syspath_prepend(str(site))
@@ -161,6 +161,13 @@ def test_entry_points_are_read_once_and_again_when_a_distribution_comes_or_goes(
     shutil.rmtree(first)
     found = plugins.entry_points(group)
     assert "ep_probe_a" not in found and "ep_probe_b" in found and len(reads) == 4
+    time.sleep(tick)  # an edit in place: neither the folder nor the dist-info folder changes its time
+    mtimes = (site.stat().st_mtime_ns, (site / "ep_probe_b-0.1.dist-info").stat().st_mtime_ns)
+    with open(site / "ep_probe_b-0.1.dist-info" / "entry_points.txt", "r+") as f:
+        f.seek(0, 2)
+        f.write("ep_probe_c = ep_probe_b.alg:SPEC\n")
+    assert (site.stat().st_mtime_ns, (site / "ep_probe_b-0.1.dist-info").stat().st_mtime_ns) == mtimes
+    assert {"ep_probe_b", "ep_probe_c"} <= set(plugins.entry_points(group)) and len(reads) == 5
 
 
 @pytest.fixture
