@@ -68,7 +68,9 @@ class Job:
     cell: str
     seed: int
     overrides: list[str]
-    metrics: tuple[str, ...] | None = None  # the metrics columns its artefact keeps (None: every column)
+    # a tuning run (Setting.tuning_jobs): its artefact keeps TUNING_METRICS only, and a run the platform
+    # stops because training diverged (NonFiniteError) is recorded as such, a grid point never chosen
+    tuning: bool = False
 
     @property
     def name(self) -> str:
@@ -117,13 +119,24 @@ def run_job(job: Job, runs: Path, artefacts: Path, code: tuple[Path, str], threa
         with open(run_dir / "stdout.log", "w") as log:
             proc = subprocess.Popen(cmd, cwd=code[0], env=env, stdout=log, stderr=subprocess.STDOUT)
             status, usage, row_cpu = _wait_sampling_cpu(proc.pid, run_dir / "metrics.jsonl")
-        if os.waitstatus_to_exitcode(status):
+        diverged = _diverged(run_dir / "stdout.log") if os.waitstatus_to_exitcode(status) else None
+        if os.waitstatus_to_exitcode(status) and not (job.tuning and diverged):
             raise RuntimeError(f"run {job.name} failed: {' '.join(cmd)}; see {run_dir / 'stdout.log'}")
         stats = {"cpu_s": round(usage.ru_utime + usage.ru_stime, 2), "wall_s": round(time.perf_counter() - t0, 2),
-                 "commit": code[1], "overrides": job.overrides, "row_cpu_s": row_cpu}
+                 "commit": code[1], "overrides": job.overrides, "row_cpu_s": row_cpu,
+                 **({"diverged": diverged} if diverged else {})}
+        if diverged:  # the platform writes no summary for a stopped run: the runner's says why it stopped
+            (run_dir / "summary.json").write_text(json.dumps({"diverged": diverged}, indent=2) + "\n")
         (run_dir / "run.json").write_text(json.dumps(stats, indent=1) + "\n")
-    export_artefact(run_dir, dest, job.metrics)
+    export_artefact(run_dir, dest, TUNING_METRICS if job.tuning else None)
     return json.loads((dest / "run.json").read_text())
+
+
+def _diverged(log: Path) -> str | None:
+    """The platform's error line when a run stopped because training became non-finite, else None."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    last = next((x for x in reversed(lines) if x.startswith("error: ")), "")
+    return last.removeprefix("error: ") if last.startswith("error: NonFiniteError:") else None
 
 
 def _finished_at(run_dir: Path, commit: str) -> bool:
@@ -286,7 +299,8 @@ def export_artefact(run_dir: Path, dest: Path, metrics: Sequence[str] | None = N
     dest.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
         (dest / name).write_bytes(data)
-    rows = (run_dir / "metrics.jsonl").read_bytes()
+    metrics_file = run_dir / "metrics.jsonl"  # (a run stopped in its first round has written no row)
+    rows = metrics_file.read_bytes() if metrics_file.exists() else b""
     (dest / "metrics.jsonl.gz").write_bytes(_gzip_bytes(rows if metrics is None else keep_columns(rows, metrics)))
 
 
@@ -706,7 +720,7 @@ class Setting:
             return []
         validation = [f"early_stop.patience={self.rounds + 1}"]  # more than the run's evaluations: never stops
         return [Job(f"{self.name}/tune/{a}/{combo_tag(c)}", seed,
-                    [*self.overrides_of(Row(a, a, a, [], [])), *c, *validation, f"seed={seed}"], TUNING_METRICS)
+                    [*self.overrides_of(Row(a, a, a, [], [])), *c, *validation, f"seed={seed}"], tuning=True)
                 for a in self.tuning.grids for c in self.tuning.combos(a) for seed in self.tuning.seeds]
 
     def row(self, tag: str) -> Row | None:
@@ -743,14 +757,18 @@ def waiting_rows(settings: Sequence[Setting]) -> list[str]:
 
 def tuning_scores(s: Setting, cells: dict[str, dict[int, Run]], algorithm: str) -> dict[tuple[str, ...], float | None]:
     """Each combination's validation accuracy (mean over the tuning seeds of each run's last ``K_LAST``
-    ``val_accuracy`` evaluations; None while a seed is missing). Reads no test metric."""
+    ``val_accuracy`` evaluations; None while a seed is missing; -inf when training diverged on a seed, a
+    point never chosen). Reads no test metric."""
     assert s.tuning is not None
     out: dict[tuple[str, ...], float | None] = {}
     for combo in s.tuning.combos(algorithm):
         runs = cells.get(f"{s.name}/tune/{algorithm}/{combo_tag(combo)}", {})
-        have = all(seed in runs for seed in s.tuning.seeds)
-        out[combo] = (statistics.fmean(final_accuracy(runs[seed], metric="val_accuracy") for seed in s.tuning.seeds)
-                      if have else None)
+        if not all(seed in runs for seed in s.tuning.seeds):
+            out[combo] = None
+        elif any(runs[seed]["stats"].get("diverged") for seed in s.tuning.seeds):
+            out[combo] = -math.inf
+        else:
+            out[combo] = statistics.fmean(final_accuracy(runs[seed], metric="val_accuracy") for seed in s.tuning.seeds)
     return out
 
 
@@ -762,7 +780,11 @@ def choose_tuned(settings: Sequence[Setting], cells: dict[str, dict[int, Run]]) 
         for algorithm in (s.tuning.grids if s.tuning else {}):
             scores = tuning_scores(s, cells, algorithm)
             if all(v is not None for v in scores.values()):
-                s.chosen[algorithm] = max(scores, key=lambda c: scores[c])  # max keeps the first of equals
+                best = max(scores, key=lambda c: scores[c])  # max keeps the first of equals
+                if scores[best] == -math.inf:
+                    raise ValueError(f"{s.name}: training diverged at every {algorithm} grid point; widen the grid "
+                                     "towards smaller learning rates")
+                s.chosen[algorithm] = best
 
 
 def resolved(overrides: Sequence[str]) -> dict[str, str]:
@@ -803,7 +825,7 @@ def tuning_table(s: Setting, cells: dict[str, dict[int, Run]], labels: dict[str,
                     cells_row.append("-")  # not in this algorithm's grid
                     continue
                 score = scores[combo]
-                text = "-" if score is None else f"{100 * score:.2f}"
+                text = "-" if score is None else "diverged" if score == -math.inf else f"{100 * score:.2f}"
                 cells_row.append(f"**{text}**" if combo == win else text)
             name = labels.get(a, a) + "".join(f", {k} = {x:g}" for k, x in zip(others, rest))
             edge = "-"

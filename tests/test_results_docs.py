@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import importlib
 import json
+import math
 import re
 import shutil
 import statistics
@@ -466,7 +467,8 @@ def test_only_selects_the_missing_runs_matching_a_pattern(tmp_path, capsys):
 
 def _val_run(val, test):
     """A run whose last five evaluations are ``val`` on the validation split and ``test`` on the test set."""
-    return {"name": "r", "rows": [{"round": r, "val_accuracy": val, "test_accuracy": test} for r in range(1, 6)]}
+    return {"name": "r", "rows": [{"round": r, "val_accuracy": val, "test_accuracy": test} for r in range(1, 6)],
+            "stats": {}}
 
 
 def _tuned_setting():
@@ -506,12 +508,55 @@ def test_tuning_chooses_on_the_validation_split_never_the_test_set():
     tune = [j for j in jobs.values() if "/tune/" in j.name]
     assert len(tune) == (2 + 4) * 2 and all(rc.resolved(j.overrides)["early_stop.patience"] == "5" for j in tune)
     # their artefacts keep the validation columns only; a table row's keep every column
-    assert {j.metrics for j in jobs.values()} == {rc.TUNING_METRICS, None}
-    assert all((j.metrics is None) == ("/tune/" not in j.name) for j in jobs.values())
+    assert all(j.tuning == ("/tune/" in j.name) for j in jobs.values())
     # a tie goes to the first in grid order
     scores[("fedavg", hi)] = scores[("fedavg", lo)]
     rc.choose_tuned([s], _tuning_cells(scores))
     assert s.chosen["fedavg"] == lo
+
+
+def test_a_grid_point_whose_training_diverged_is_never_chosen():
+    s = _tuned_setting()
+    lo, hi = ("train.lr=0.05",), ("train.lr=0.1",)
+    prox = {c: {100: (0.5, 0.5), 101: (0.5, 0.5)} for c in s.tuning.combos("fedprox")}
+    scores = {("fedavg", lo): {100: (0.6, 0.6), 101: (0.6, 0.6)}, ("fedavg", hi): {100: (0.9, 0.9), 101: (0.9, 0.9)},
+              **{("fedprox", c): v for c, v in prox.items()}}
+    cells = _tuning_cells(scores)
+    cells["d/tune/fedavg/train.lr0.1"][101]["stats"] = {"diverged": "NonFiniteError: ..."}  # one seed diverged
+    rc.choose_tuned([s], cells)
+    assert s.chosen["fedavg"] == lo and rc.tuning_scores(s, cells, "fedavg")[hi] == -math.inf
+    assert "| FedAvg | **60.00** | diverged |" in rc.tuning_table(s, cells, {"fedavg": "FedAvg"})
+    cells["d/tune/fedavg/train.lr0.05"][100]["stats"] = {"diverged": "NonFiniteError: ..."}
+    with pytest.raises(ValueError, match="diverged at every fedavg grid point"):
+        rc.choose_tuned([s], cells)
+
+
+def _fake_platform(code, error: str):
+    """A stand-in for ``python -m fl_platform.run`` in ``code``: one metrics row, then ``error`` and exit 1."""
+    (code / "fl_platform").mkdir(parents=True, exist_ok=True)
+    (code / "fl_platform" / "__init__.py").write_text("")
+    (code / "fl_platform" / "run.py").write_text(
+        "import json, pathlib, sys\n"
+        "out = pathlib.Path(next(a for a in sys.argv if a.startswith('hydra.run.dir=')).split('=', 1)[1])\n"
+        "(out / 'config.yaml').write_text('seed: 0\\n')\n"
+        "(out / 'metrics.jsonl').write_text(json.dumps({'round': 1, 'test_accuracy': 0.2, 'val_accuracy': 0.1}) + '\\n')\n"
+        f"print({error!r}, file=sys.stderr)\n"
+        "sys.exit(1)\n")
+
+
+def test_a_diverged_tuning_run_is_recorded_any_other_failure_fails(tmp_path):
+    code = (tmp_path / "code", "c0")
+    _fake_platform(code[0], "error: NonFiniteError: client 2 in round 2: the training loss became nan")
+    tune = rc.Job("d/tune/fedavg/train.lr0.2", 100, ["x=1"], tuning=True)
+    stats_ = rc.run_job(tune, tmp_path / "runs", tmp_path / "art", code)
+    assert stats_["diverged"] == "NonFiniteError: client 2 in round 2: the training loss became nan"
+    run = rc.load_cells(tmp_path / "art")["d/tune/fedavg/train.lr0.2"][100]
+    assert run["rows"] == [{"round": 1, "val_accuracy": 0.1}] and run["summary"] == {"diverged": stats_["diverged"]}
+    with pytest.raises(RuntimeError, match="run d/fedavg/s0 failed"):  # a table row's run never diverges quietly
+        rc.run_job(rc.Job("d/fedavg", 0, ["x=1"]), tmp_path / "runs", tmp_path / "art", code)
+    _fake_platform(code[0], "error: ValueError: train.lr: must be > 0")
+    with pytest.raises(RuntimeError, match=re.escape("run d/tune/fedavg/train.lr0.2/s101 failed")):
+        rc.run_job(replace(tune, seed=101), tmp_path / "runs", tmp_path / "art", code)
 
 
 def test_a_tuned_row_waits_for_every_tuning_run_and_an_artefact_made_otherwise_is_replaced():
