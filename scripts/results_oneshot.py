@@ -56,14 +56,17 @@ class Budget:
     gen2: int
     ngf2: int  # the generators' wider setting (the card's width; main: the presets' ngf 16)
     extra: dict[str, list[str]]  # tiny: smaller server-side budgets per algorithm
+    gen_card: int  # the card's generator epochs (DENSE, Co-Boosting and, as DENSE's baseline, Fed-ADI)
+    feddf_card: list[str]  # the card's FedDF distillation: steps, evaluation interval, early-stopping patience
 
 
-FULL = Budget(4, 8, 20, 40, 64, {})
+FULL = Budget(4, 8, 20, 40, 64, {}, 200, ["algorithm.steps=10000", "algorithm.eval_every=100", "algorithm.patience=1000"])
 TINY = Budget(1, 2, 2, 3, 8, {"feddf": ["algorithm.steps=20", "algorithm.eval_every=10"],
                            "dense": ["algorithm.g_steps=2", "algorithm.ngf=4"],
                            "coboost": ["algorithm.g_steps=2", "algorithm.ngf=4"],
                            "adi": ["algorithm.di_steps=2"],
-                           "fusefl": ["algorithm.sample_per_class=200"], "cal": ["algorithm.sample_per_class=200"]})
+                           "fusefl": ["algorithm.sample_per_class=200"], "cal": ["algorithm.sample_per_class=200"]},
+              4, ["algorithm.steps=40", "algorithm.eval_every=10", "algorithm.patience=20"])
 
 
 def rows_of(b: Budget, seeds5: list[int], seeds10: list[int]) -> list[Row]:
@@ -104,6 +107,15 @@ def rows_of(b: Budget, seeds5: list[int], seeds10: list[int]) -> list[Row]:
         Row("dense_w", f"DENSE, generator width ngf {b.ngf2}", "dense", [f"algorithm.ngf={b.ngf2}"], seeds5, priority=4),
         Row("coboost_w", f"Co-Boosting, generator width ngf {b.ngf2}", "coboost", [f"algorithm.ngf={b.ngf2}"], seeds5,
             priority=4),
+        # the cards' server-side budgets (issue 28 item 4), 10 seeds: the verdicts at the paper's budget rest on them
+        Row("feddf_card", "FedDF (held-out), the card's distillation (10,000 steps, early stop after 1,000)", "feddf",
+            b.feddf_card, seeds10, priority=5),
+        Row("dense_card", f"DENSE, the card's {b.gen_card} generator epochs", "dense", [f"algorithm.epochs={b.gen_card}"],
+            seeds10, priority=5),
+        Row("coboost_card", f"Co-Boosting, the card's {b.gen_card} generator epochs", "coboost",
+            [f"algorithm.epochs={b.gen_card}"], seeds10, priority=5),
+        Row("adi_card", f"Fed-ADI, {b.gen_card} epochs (DENSE's baseline at DENSE's card budget)", "adi",
+            [f"algorithm.epochs={b.gen_card}"], seeds10, priority=6),
     ]
 
 
@@ -177,6 +189,12 @@ MEASURES = [
     Measure("adi", "Fed-ADI", "adi"),
     Measure("coboost_weighted", "Co-Boosting's reweighted ensemble (its teacher)", "coboost",
             "weighted_ensemble_test_accuracy"),
+    Measure("feddf_card", "FedDF, held-out Fashion-MNIST, the card's 10,000 steps", "feddf_card"),
+    Measure("dense_card", "DENSE, the card's 200 generator epochs", "dense_card"),
+    Measure("coboost_card", "Co-Boosting, the card's 200 generator epochs", "coboost_card"),
+    Measure("adi_card", "Fed-ADI, 200 epochs", "adi_card"),
+    Measure("coboost_weighted_card", "Co-Boosting's reweighted ensemble, 200 generator epochs", "coboost_card",
+            "weighted_ensemble_test_accuracy"),
     Measure("fusefl_k2", "FuseFL K=2", "fusefl_k2"),
     Measure("fusefl_k2_uncal", "FuseFL K=2 before its calibration", "fusefl_k2", "uncalibrated_test_accuracy"),
     Measure("fusefl_k4", "FuseFL K=4", "fusefl_k4"),
@@ -200,6 +218,11 @@ BUDGET = [  # (method, measure at the main budget, measure at the larger budget,
      "generator width (ngf 16 -> 64)"),
     ("Co-Boosting (width)", BY_NAME["coboost"], Measure("coboost_w", "Co-Boosting, the card's generator width",
                                                         "coboost_w"), "generator width (ngf 16 -> 64)"),
+    ("FedDF (the card's steps)", BY_NAME["feddf"], BY_NAME["feddf_card"], "distillation steps (500 -> the card's 10,000)"),
+    ("DENSE (the card's epochs)", BY_NAME["dense"], BY_NAME["dense_card"], "generator epochs (20 -> the card's 200)"),
+    ("Co-Boosting (the card's epochs)", BY_NAME["coboost"], BY_NAME["coboost_card"],
+     "generator epochs (20 -> the card's 200)"),
+    ("Fed-ADI (200 epochs)", BY_NAME["adi"], BY_NAME["adi_card"], "epochs (20 -> 200)"),
 ]
 # The generator methods' larger budgets, compared below (by what grows, not by position in BUDGET).
 BY_NAME.update({m.name: m for _, _, m, what in BUDGET if what.startswith("generator")})
@@ -231,6 +254,12 @@ COMPARISONS = [
     ("coboost_g2", "fedavg", "Co-Boosting at twice the generator budget vs one-shot FedAvg"),
     ("dense_w", "fedavg", "DENSE at the card's generator width vs one-shot FedAvg"),
     ("coboost_w", "fedavg", "Co-Boosting at the card's generator width vs one-shot FedAvg"),
+    ("feddf_card", "fedavg", "FedDF at the card's distillation budget vs one-shot FedAvg"),
+    ("dense_card", "fedavg", "DENSE at the card's generator budget vs one-shot FedAvg"),
+    ("coboost_card", "fedavg", "Co-Boosting at the card's generator budget vs one-shot FedAvg"),
+    ("coboost_card", "dense_card", "Co-Boosting vs DENSE, both at the card's generator budget"),
+    ("dense_card", "adi_card", "DENSE vs Fed-ADI, both at DENSE's card budget"),
+    ("coboost_weighted_card", "ensemble", "Co-Boosting's reweighted ensemble vs the plain ensemble, card budget"),
 ]
 
 
@@ -319,7 +348,9 @@ def budget_section(s: Setting, cells: dict[str, dict[int, rc.Run]], plots: Path 
     return ("### Budget curve\n\nEach method at its main budget and at a larger one (twice the local epochs, 4 -> 8: "
             "the clients' models, FedDF's teachers, FuseFL's 2 -> 4 epochs per block, multi-round FedAvg's rounds; "
             "DENSE and Co-Boosting, on the main client models: twice the generator epochs, 20 -> 40, and the card's "
-            "generator width, ngf 16 -> 64 at 20 epochs), paired by seed over the seeds both budgets ran.\n\n"
+            "generator width, ngf 16 -> 64 at 20 epochs; the cards' server-side budgets on the main client models: "
+            "FedDF's 10,000 distillation steps, DENSE's and Co-Boosting's 200 generator epochs, and Fed-ADI at the "
+            "same 200), paired by seed over the seeds both budgets ran.\n\n"
             + rc.md_table(header, rows) + f"\n![budget curve]({name})\n")
 
 
@@ -399,6 +430,25 @@ CLAIMS = [  # (measure, against, claim)
     ("fusefl_k2", "ensemble_cal", rc.PaperClaim(
         "FuseFL K=2 vs the ensemble given FuseFL's calibration", "as above (the paper's ensemble is not calibrated; "
         "this is our fairness control)", None, 1, f"{OURS}; both calibrated in one more round", "specs/fusefl.md")),
+    # the same claims at the cards' server-side budgets (the rows above run at a tenth or less of them)
+    ("feddf_card", "fedavg", rc.PaperClaim(
+        "FedDF vs one-shot FedAvg", "the survey's expected order: one-shot FedAvg << FedDF <~ DENSE <~ Co-Boosting < "
+        "Ensemble", None, 1, f"{OURS}; the card's distillation: 10,000 steps, early stop after 1,000 on held-out "
+        "Fashion-MNIST", SPEC)),
+    ("dense_card", "fedavg", rc.PaperClaim(
+        "DENSE vs one-shot FedAvg", "the survey's expected order above (DENSE's own claim is over Fed-ADI: next row)",
+        None, 1, f"{OURS}; the card's 200 generator epochs, ngf 16 (card 64)", SPEC)),
+    ("dense_card", "adi_card", rc.PaperClaim(
+        "DENSE vs Fed-ADI", "CIFAR-10, 5 clients: DENSE over its best baseline, Fed-ADI (DENSE abstract)",
+        "+5.08 points", 1, f"{OURS}; 200 epochs for both (the card's); DENSE's generator ngf 16 (card 64); Fed-ADI 50 "
+        "DeepInversion steps per batch (DeepInversion: 2,000)", SPEC)),
+    ("coboost_card", "dense_card", rc.PaperClaim(
+        "Co-Boosting vs DENSE", "expected order DENSE <~ Co-Boosting (Co-Boosting's CIFAR-10 tables not retrieved)",
+        None, 1, f"{OURS}; the card's 200 generator epochs for both, ngf 16 (card 64)", SPEC)),
+    ("coboost_weighted_card", "ensemble", rc.PaperClaim(
+        "Co-Boosting's ensemble reweighting vs the plain ensemble", "Co-Boosting (ICLR 2024): boosting the ensemble "
+        "improves the teacher", None, 1, f"{OURS}; weights learnt on the synthetic pool of the card's 200 generator "
+        "epochs", SPEC)),
     ("fusefl_k2", "fedavg", rc.PaperClaim(
         "FuseFL K=2 vs one-shot FedAvg", "as above: 'beats existing one-shot FL'", None, 1, OURS, "specs/fusefl.md")),
 ]
