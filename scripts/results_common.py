@@ -940,7 +940,9 @@ def rows_list(s: Setting, tags: Sequence[str]) -> str:
     out = []
     for tag in tags:
         row = s.row(tag)
-        if row is not None:
+        if row is not None and not s.ready(row):  # (a document built while tuning runs are still missing)
+            out.append(f"- {row.label}: waits for {row.algorithm}'s tuning runs (its values are chosen on them)")
+        elif row is not None:
             out.append(f"- {row.label}: `{' '.join(o for o in last_wins(s.overrides_of(row)) if o not in common)}`")
     return "\n".join(out) + "\n"
 

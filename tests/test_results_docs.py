@@ -570,6 +570,8 @@ def test_a_tuned_row_waits_for_every_tuning_run_and_an_artefact_made_otherwise_i
     assert not [j for j in rc.setting_jobs([s]) if j.name.startswith("d/fedprox/")]
     with pytest.raises(ValueError, match="tuning runs are not all in"):
         s.overrides_of(s.row("fedprox"))
+    # a document built meanwhile lists the waiting row as such
+    assert "- FedProx: waits for fedprox's tuning runs" in rc.rows_list(s, ["fedavg", "fedprox"])
     # an artefact of FedAvg's row made at another learning rate than the chosen one is stale; the chosen one is not
     job = next(j for j in rc.setting_jobs([s]) if j.name == "d/fedavg/s0")
     made = {"d/fedavg": {seed: {"stats": {"overrides": [*job.overrides[:-1], f"train.lr={lr}", f"seed={seed}"]}}
