@@ -119,8 +119,9 @@ def run_job(job: Job, runs: Path, artefacts: Path, code: tuple[Path, str], threa
         with open(run_dir / "stdout.log", "w") as log:
             proc = subprocess.Popen(cmd, cwd=code[0], env=env, stdout=log, stderr=subprocess.STDOUT)
             status, usage, row_cpu = _wait_sampling_cpu(proc.pid, run_dir / "metrics.jsonl")
-        diverged = _diverged(run_dir / "stdout.log") if os.waitstatus_to_exitcode(status) else None
-        if os.waitstatus_to_exitcode(status) and not (job.tuning and diverged):
+        failed = os.waitstatus_to_exitcode(status) != 0
+        diverged = _diverged(run_dir / "stdout.log") if failed else None
+        if failed and not (job.tuning and diverged):
             raise RuntimeError(f"run {job.name} failed: {' '.join(cmd)}; see {run_dir / 'stdout.log'}")
         stats = {"cpu_s": round(usage.ru_utime + usage.ru_stime, 2), "wall_s": round(time.perf_counter() - t0, 2),
                  "commit": code[1], "overrides": job.overrides, "row_cpu_s": row_cpu,

@@ -507,7 +507,7 @@ def test_tuning_chooses_on_the_validation_split_never_the_test_set():
     # the tuning runs carry the validation split and never stop early; every combination on every tuning seed
     tune = [j for j in jobs.values() if "/tune/" in j.name]
     assert len(tune) == (2 + 4) * 2 and all(rc.resolved(j.overrides)["early_stop.patience"] == "5" for j in tune)
-    # their artefacts keep the validation columns only; a table row's keep every column
+    # they, and only they, are marked as tuning runs (their artefacts keep the validation columns only)
     assert all(j.tuning == ("/tune/" in j.name) for j in jobs.values())
     # a tie goes to the first in grid order
     scores[("fedavg", hi)] = scores[("fedavg", lo)]
