@@ -5,6 +5,7 @@
     python scripts/results_heterogeneity.py --from-artefacts           # rebuild it from docs/results/data/ alone
     python scripts/results_heterogeneity.py --budget tiny --out /tmp/het  # a check of the pipeline (minutes)
     python scripts/results_heterogeneity.py --preset gpu --plan        # the papers' settings: what would run
+    nice -n 19 python scripts/results_heterogeneity.py --preset long --jobs 2   # 200 rounds -> heterogeneity_long.md
     python scripts/results_heterogeneity.py --preset gpu --jobs 1 --threads 8   # on a GPU machine with CIFAR-10
 
 CPU settings: Fashion-MNIST with Dirichlet(0.1) label skew over 10 clients (5 per round, as in the
@@ -15,6 +16,11 @@ orders changed, ``train.shuffle_offset=1``), FedAvg run longer (equal-compute co
 ablations that change one FedImpro or VHL setting at a time. The GPU preset (``--preset gpu``)
 runs the papers' main settings from ``conf/experiment/`` and writes heterogeneity_gpu.md with the
 same sections. Method and statistics: scripts/results_common.py and docs/results/README.md.
+
+Tuning (issue 28 item 3): in the settings of TUNED every row runs at its algorithm's client learning rate
+(FedProx's jointly with mu) chosen from GRIDS on a validation split carved from the clients' training rows,
+on seeds 100-101 that no table reports (results_common.Tuning); the test set is never read to choose. The
+other settings' rows run at the hand-set lr 0.05 and every verdict on them says "untested".
 """
 
 from __future__ import annotations
@@ -39,6 +45,14 @@ Row, Setting = rc.Row, rc.Setting
 MODEL = ["model=cnn", "model.channels=[16,32]", "model.hidden=64"]
 OPTIM = ["train.optimizer=sgd", "train.lr=0.05", "train.momentum=0.0", "train.weight_decay=0.0"]
 SEEDS5, SEEDS10 = list(range(5)), list(range(10))
+LRS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)  # client SGD learning rates every method is tuned over
+MUS = (0.001, 0.01, 0.1, 1.0)  # FedProx's mu, tuned jointly with the learning rate (issue 28 item 3)
+GRIDS = {a: {"train.lr": LRS, **({"algorithm.mu": MUS} if a == "fedprox" else {})} for a in MAIN}
+TINY_GRIDS = {a: {k: v[2:4] if k == "train.lr" else v[1:2] for k, v in g.items()} for a, g in GRIDS.items()}
+# The CPU settings whose rows are tuned; FEMNIST's grid (another 216 runs of 30 rounds) runs after
+# Fashion-MNIST's, and until its rows have run at its choices FEMNIST's rows keep the hand-set lr 0.05 and every verdict on them
+# says "untested" (results_common.untuned_reason).
+TUNED = ("fashion_mnist",)
 
 
 def cpu_algorithm_overrides(dataset: str, rounds: int, batch: int, tiny: bool) -> dict[str, list[str]]:
@@ -89,40 +103,48 @@ CNN = "small CNN (conv 16, conv 32, fc 64) instead of ResNet-18"
 # The baselines of FedImpro's and VHL's tables (specs/fedimpro.md, specs/vhl.md): a verdict on one of them
 # names the others as untested.
 FEDIMPRO_BASELINES = ("FedAvg", "FedProx", "SCAFFOLD", "FedNova")
-CPU_PAPER = {
-    "fashion_mnist": {
-        "baseline": rc.PaperClaim(
-            "", "a baseline in FedImpro's and VHL's tables: FMNIST, Dirichlet(0.1), 10 clients / 5 per round, "
-            "ResNet-18, 1000 rounds", None, None, ""),
-        "fedimpro": rc.PaperClaim(
-            "FedImpro", "FMNIST, Dirichlet(0.1), 10 / 5, E = 1, batch 128, lr 0.01, ResNet-18, 1000 rounds, T = 500 "
-            "(specs/fedimpro.md: above FedAvg, FedProx, SCAFFOLD, FedNova)", None, 1,
-            f"{CNN}; 30 rounds of 20 local steps of batch 32 at lr 0.05; T = 15 (scaled to 30 rounds)",
-            baselines=FEDIMPRO_BASELINES, budget=30 / 1000),
-        "vhl": rc.PaperClaim(
-            "VHL", "FMNIST, Dirichlet(0.1), 10 / 5, E = 1, batch 128 + 128 virtual, SGD lr 0.01 momentum 0.9, "
-            "ResNet-18, 1000 rounds (specs/vhl.md: faster convergence, better generalisation)", None, 1,
-            f"{CNN}; 30 rounds of 20 steps at lr 0.05 without momentum; virtual batch 32 = the real batch",
-            baselines=FEDIMPRO_BASELINES, budget=30 / 1000),
-    },
-    "femnist": {
+def cpu_paper(name: str, rounds: int, ablations: bool, tuned: bool) -> dict[str, rc.PaperClaim]:
+    """The papers' claims for the CPU setting ``name`` run for ``rounds`` (``ablations``: the document has the T
+    table the FEMNIST claim points to; ``tuned``: its rows run at tuned learning rates)."""
+    lr = "the learning rate tuned on a validation split" if tuned else "lr 0.05"
+    t = f"T = {max(1, rounds // 2)} (scaled to {rounds} rounds)"
+    if name == "fashion_mnist":
+        return {
+            "baseline": rc.PaperClaim(
+                "", "a baseline in FedImpro's and VHL's tables: FMNIST, Dirichlet(0.1), 10 clients / 5 per round, "
+                "ResNet-18, 1000 rounds", None, None, ""),
+            "fedimpro": rc.PaperClaim(
+                "FedImpro", "FMNIST, Dirichlet(0.1), 10 / 5, E = 1, batch 128, lr 0.01, ResNet-18, 1000 rounds, "
+                "T = 500 (specs/fedimpro.md: above FedAvg, FedProx, SCAFFOLD, FedNova)", None, 1,
+                f"{CNN}; {rounds} rounds of 20 local steps of batch 32 at {lr}; {t}",
+                baselines=FEDIMPRO_BASELINES, budget=min(1.0, rounds / 1000)),
+            "vhl": rc.PaperClaim(
+                "VHL", "FMNIST, Dirichlet(0.1), 10 / 5, E = 1, batch 128 + 128 virtual, SGD lr 0.01 momentum 0.9, "
+                "ResNet-18, 1000 rounds (specs/vhl.md: faster convergence, better generalisation)", None, 1,
+                f"{CNN}; {rounds} rounds of 20 steps at {lr} without momentum; virtual batch 32 = the real batch",
+                baselines=FEDIMPRO_BASELINES, budget=min(1.0, rounds / 1000)),
+        }
+    t_table = "; at the reference's T = 500 no detectable difference (the T table below)" if ablations else ""
+    return {
         "baseline": rc.PaperClaim(
             "", "a baseline in FedImpro's FEMNIST runs: 3400 writers / 50 per round, E = 5, batch 20, ResNet-18, "
             "101 rounds", None, None, ""),
         "fedimpro": rc.PaperClaim(
             "FedImpro", "FEMNIST, natural writers, 3400 / 50 per round, E = 5, batch 20, ResNet-18, 101 rounds, "
             "gradualhalfhalf (specs/fedimpro.md)", None, 1,
-            f"the 105-writer LEAF sample, 10 per round, 2 local epochs; {CNN}; 30 rounds; T = 15 (at the "
-            "reference's T = 500 no detectable difference: the T table below)", baselines=FEDIMPRO_BASELINES,
-            budget=30 / 101),
+            f"the 105-writer LEAF sample, 10 per round, 2 local epochs; {CNN}; {rounds} rounds; {t}{t_table}",
+            baselines=FEDIMPRO_BASELINES, budget=min(1.0, rounds / 101)),
         "vhl": rc.PaperClaim(
             "VHL", "no FEMNIST setting in specs/vhl.md (CIFAR-10, FMNIST, SVHN, CIFAR-100)", None, None,
             "no paper setting to compare with"),
-    },
-}
+    }
 
 
-def cpu_settings(budget: str) -> list[Setting]:
+def cpu_settings(budget: str, horizon: bool = False) -> list[Setting]:
+    """The CPU settings at 30 rounds with their ablations, or (``horizon``: ``--preset long``, issue 28 item 4)
+    at 200 rounds past the transient, evaluated every 10, with FedAvg to 500 rounds for the equal-compute rows
+    and no ablations; those rows run at the values the 30-round tuning chose (``chosen_at_30_rounds``):
+    re-tuning at 200 rounds would cost ~7x the grid."""
     tiny = budget == "tiny"
     seeds5, seeds10 = ([0, 1], [0, 1]) if tiny else (SEEDS5, SEEDS10)
     data = {
@@ -141,19 +163,40 @@ def cpu_settings(budget: str) -> list[Setting]:
                 "dataset=femnist", "partition=natural", "num_clients=20", "clients_per_round=2", "eval_every=1",
                 "train.steps=2", "train.batch_size=16"])}
     rounds, long_rounds = (6, 12) if tiny else (30, 100)
+    if horizon:
+        rounds, long_rounds, every = (12, 24, 2) if tiny else (200, 500, 10)
+        data = {k: (t, [o for o in ov if not o.startswith("eval_every=")] + [f"eval_every={every}"])
+                for k, (t, ov) in data.items()}
     out = []
     for name, (title, overrides) in data.items():
         batch = int(next(o for o in overrides if o.startswith("train.batch_size=")).split("=")[1])
         # 10 seeds for every main row: a verdict rests on FedImpro / VHL against each of them (README.md)
-        rows = [Row(a, LABELS[a], a, [], seeds10) for a in MAIN]
-        rows += [rc.noise_row(seeds10),
+        # every row then runs at its algorithm's chosen values (the ablations too); the 200-round rows always
+        # do, and wait until the 30-round tuning of their setting has chosen them
+        tuned = name in TUNED or horizon
+        rows = [Row(a, LABELS[a], a, [], seeds10, tuned=tuned) for a in MAIN]
+        rows += [rc.noise_row(seeds10, tuned=tuned),
                  Row(LONG, f"FedAvg, {long_rounds} rounds", "fedavg", [f"rounds={long_rounds}"], seeds10,
-                     "FedAvg continued, read at the round of equal compute")]
-        rows += [Row(tag, tag, alg, extra, seeds5, what, alg, prio)
-                 for tag, alg, extra, what, datasets, prio in ABLATIONS if name in datasets]
+                     "FedAvg continued, read at the round of equal compute", tuned=tuned)]
+        rows += [Row(tag, tag, alg, extra, seeds5, what, alg, prio, tuned=tuned)
+                 for tag, alg, extra, what, datasets, prio in ABLATIONS if name in datasets and not horizon]
+        tuning = rc.Tuning(TINY_GRIDS if tiny else GRIDS, (100,) if tiny else (100, 101)) if name in TUNED else None
         out.append(Setting(name, title, [*overrides, *MODEL, *OPTIM], rounds, rows,
-                           cpu_algorithm_overrides(name, rounds, batch, tiny), paper=CPU_PAPER[name]))
+                           cpu_algorithm_overrides(name, rounds, batch, tiny),
+                           paper=cpu_paper(name, rounds, not horizon, tuned), tuning=None if horizon else tuning))
+    if horizon:
+        for s, chosen in zip(out, chosen_at_30_rounds(budget)):
+            s.chosen.update(chosen)  # kept by choose_tuned: these settings have no grid of their own
     return out
+
+
+def chosen_at_30_rounds(budget: str) -> list[dict[str, tuple[str, ...]]]:
+    """Per CPU setting, the values heterogeneity.md's 30-round tuning chose, from its committed artefacts (the
+    tiny check's: data/heterogeneity_tiny); empty for an algorithm whose grid is not all in."""
+    settings = cpu_settings(budget)
+    folder = rc.DATA / (DOC + ("_tiny" if budget == "tiny" else ""))
+    rc.choose_tuned(settings, rc.load_cells(folder) if folder.exists() else {})
+    return [dict(s.chosen) for s in settings]
 
 
 # GPU: the papers' main settings (conf/experiment/*.yaml); the specs have no numbers ("not retrieved").
@@ -193,7 +236,7 @@ def gpu_settings() -> list[Setting]:
 
 
 def settings_of(budget: str, preset: str) -> list[Setting]:
-    return gpu_settings() if preset == "gpu" else cpu_settings(budget)
+    return gpu_settings() if preset == "gpu" else cpu_settings(budget, horizon=preset == "long")
 
 
 def _predshift(runs: dict[int, rc.Run]) -> str:
@@ -252,6 +295,29 @@ def baseline_verdicts(s: Setting, runs: dict[str, dict[int, rc.Run]]
     return out
 
 
+def tuning_text(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> str:
+    """The setting's tuning table: how each row's learning rate (and FedProx's mu) was chosen."""
+    assert s.tuning is not None
+    return ("Tuning: validation accuracy (%, mean of the last "
+            f"{rc.K_LAST} evaluations and of seeds {', '.join(map(str, s.tuning.seeds))}) of each grid point on the "
+            "validation split (a stratified tenth of each client's training rows held out; the test set is not "
+            "read); the chosen point in bold. Every row below (the noise floor, FedAvg run longer and the "
+            "ablations too) runs at its algorithm's chosen values on all of the clients' training rows, in place "
+            "of the setting's train.lr=0.05:\n\n" + rc.tuning_table(s, cells, LABELS) + "\nRows:\n")
+
+
+def rows_intro(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> str:
+    """How the setting's rows got their learning rates: tuned here, taken from the 30-round tuning, or set by hand."""
+    if s.tuning is not None:
+        return tuning_text(s, cells)
+    if any(row.tuned for row in s.rows):
+        return ("Rows (each at the values heterogeneity.md's 30-round tuning chose on the validation split, in place "
+                "of the setting's train.lr=0.05; its Tuning table):\n")
+    if s.preset is None:
+        return "Rows (not tuned: every algorithm at the setting's hand-set train.lr=0.05, FedProx at mu = 0.1):\n"
+    return "Rows:\n"
+
+
 def build(settings: list[Setting], cells: dict[str, dict[int, rc.Run]], plots: Path | None, command: str,
           artefacts: Path) -> str:
     gpu = any(s.preset for s in settings)
@@ -260,14 +326,17 @@ def build(settings: list[Setting], cells: dict[str, dict[int, rc.Run]], plots: P
     for s in settings:
         runs = rc.setting_runs(s, cells)
         if not runs["fedavg"]:
-            sections.append(rc.setting_header(s) + "Not run yet.\n")
+            waits = not s.ready(s.row("fedavg")) and s.tuning is None  # (--preset long before the 30-round grid)
+            sections.append(rc.setting_header(s) + "Not run yet" + (
+                ": its rows wait for the values heterogeneity.md's 30-round tuning of this setting chooses" if waits
+                else "") + ".\n")
             continue
         tags = [t for t in [*MAIN, NOISE] if s.row(t)]
         table, diffs = rc.main_table(s, cells, tags, {"PredShift accuracy": _predshift,
                                                       "bytes up / FedAvg's": _upload_ratio(runs["fedavg"])})
         verdicts += rc.verdict_rows(s, diffs, [t for t in MAIN if s.row(t)]) + baseline_verdicts(s, runs)
-        text = (rc.setting_header(s) + "Rows:\n" + rc.rows_list(s, tags) + "\n" + rc.missing_runs(s, cells) + table
-                + "\n" + rc.fednova_note(runs))
+        text = rc.setting_header(s) + rows_intro(s, cells)
+        text += (rc.rows_list(s, tags) + "\n" + rc.missing_runs(s, cells) + table + "\n" + rc.fednova_note(runs))
         text += rc.plot_rows(s, cells, [t for t in MAIN if s.row(t)], plots, f"{DOC}_{s.name}{suffix}.png",
                              f"{s.name}: test accuracy, mean and 95% band over seeds")
         eq = rc.equal_compute_table(s, cells, [t for t in ("fedprox", "scaffold", "fednova", "fedimpro", "vhl") if s.row(t)])
@@ -276,14 +345,15 @@ def build(settings: list[Setting], cells: dict[str, dict[int, rc.Run]], plots: P
             abl += "\n" + rc.plot_rows(s, cells, ["fedavg", "fedimpro", "fedimpro_T60", "fedimpro_T500"], plots,
                                        f"{DOC}_T_{s.name}{suffix}.png", f"{s.name}: FedImpro's T, mean and 95% band")
         sections.append("\n".join(x for x in (text, eq, abl) if x))
-    title = "Data heterogeneity: FedAvg, FedProx, SCAFFOLD, FedNova, FedImpro, VHL" + (" in the papers' settings (GPU)"
-                                                                             if gpu else "")
+    horizon = "--preset long" in command
+    title = "Data heterogeneity: FedAvg, FedProx, SCAFFOLD, FedNova, FedImpro, VHL" + (
+        " in the papers' settings (GPU)" if gpu else f" past the transient ({settings[0].rounds} rounds)" if horizon else "")
     return (f"# {title}\n\n{rc.provenance(DOC, artefacts, cells, command)}\n\n{rc.method_paragraph()}\n\n"
             "## Verdict against the papers\n\n" + rc.verdict_table(verdicts) + "\n" + "\n".join(sections))
 
 
 def main(argv: list[str] | None = None) -> int:
-    return rc.cli(DOC, argv, __doc__, settings_of, build, presets=("cpu", "gpu"))
+    return rc.cli(DOC, argv, __doc__, settings_of, build, presets=("cpu", "gpu", "long"))
 
 
 if __name__ == "__main__":

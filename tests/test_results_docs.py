@@ -359,7 +359,8 @@ def test_the_committed_tuning_artefacts_hold_no_test_metric():
     assert tuning
     for path in tuning:
         rows = [json.loads(x) for x in gzip.decompress(path.read_bytes()).decode().splitlines()]
-        assert set().union(*rows) <= set(rc.TUNING_METRICS) and any("val_accuracy" in r for r in rows), path
+        diverged = json.loads((path.parent / "run.json").read_text()).get("diverged")  # (may stop before evaluating)
+        assert set().union(*rows) <= set(rc.TUNING_METRICS) and (diverged or any("val_accuracy" in r for r in rows)), path
 
 
 def _fake_artefact(folder, accs, cpu_per_round, overrides=()):
@@ -586,6 +587,45 @@ def test_the_baselines_rows_are_all_tuned_with_the_issues_grid():
         assert set(s.tuning.grids) == {row.algorithm for row in s.rows}
         assert s.tuning.grids["fedprox"]["algorithm.mu"] == (0.001, 0.01, 0.1, 1.0)
         assert all(g["train.lr"] == base.LRS for g in s.tuning.grids.values())
+
+
+def test_the_heterogeneity_rows_are_tuned_with_the_issues_grid_setting_by_setting():
+    """A tuned setting tunes every row (the noise floor, FedAvg run longer and the ablations too) over the issue's
+    grid; an untuned one tunes none, so no comparison mixes a tuned row with an untuned one."""
+    het = importlib.import_module("results_heterogeneity")
+    settings = {s.name: s for s in het.settings_of("full", "cpu")}
+    assert het.TUNED and set(het.TUNED) <= set(settings)
+    for name, s in settings.items():
+        if name not in het.TUNED:
+            assert s.tuning is None and not any(row.tuned for row in s.rows), name
+            continue
+        assert all(row.tuned for row in s.rows) and s.tuning.seeds == (100, 101)
+        assert set(s.tuning.grids) == set(het.MAIN) == {row.algorithm for row in s.rows if row.priority == 1}
+        assert s.tuning.grids["fedprox"]["algorithm.mu"] == (0.001, 0.01, 0.1, 1.0)
+        assert all(g["train.lr"] == het.LRS for g in s.tuning.grids.values()) and min(het.LRS) <= 0.01
+        assert {j.name.split("/")[2] for j in s.tuning_jobs()} == set(het.MAIN)
+        assert len(s.tuning_jobs()) == 2 * (5 * len(het.LRS) + len(het.LRS) * 4)
+
+
+def test_the_long_horizon_runs_at_the_values_the_30_round_tuning_chose(monkeypatch, tmp_path):
+    """--preset long: 200 rounds (FedAvg to 500), evaluated every 10, no ablations, each row at the 30-round
+    tuning's choice, kept by choose_tuned (no grid of its own); without a choice its rows wait, never run at 0.05."""
+    het = importlib.import_module("results_heterogeneity")
+    chosen = {"fedavg": ("train.lr=0.2",), "fedprox": ("train.lr=0.1", "algorithm.mu=0.001")}
+    monkeypatch.setattr(het, "chosen_at_30_rounds", lambda budget: [chosen, {}])
+    fm, fe = het.settings_of("full", "long")
+    rc.choose_tuned([fm, fe], {})
+    jobs = {j.name: rc.resolved(j.overrides) for j in rc.setting_jobs([fm, fe])}
+    assert jobs["fashion_mnist/fedavg/s9"]["train.lr"] == "0.2" and jobs["fashion_mnist/fedavg/s9"]["rounds"] == "200"
+    assert jobs["fashion_mnist/fedavg/s0"]["eval_every"] == "10"
+    assert jobs[f"fashion_mnist/{rc.LONG}/s0"]["rounds"] == "500" and jobs[f"fashion_mnist/{rc.NOISE}/s0"]["train.lr"] == "0.2"
+    assert jobs["fashion_mnist/fedprox/s0"]["algorithm.mu"] == "0.001"
+    assert {name.split("/")[1] for name in jobs} == {"fedavg", "fedprox", rc.NOISE, rc.LONG}  # no ablations
+    assert set(rc.waiting_rows([fm, fe])) == {f"fashion_mnist/{a}" for a in ("scaffold", "fednova", "fedimpro", "vhl")} | {
+        f"femnist/{r.tag}" for r in fe.rows}
+    monkeypatch.undo()  # the real chosen_at_30_rounds, on no 30-round artefacts: nothing chosen, every row waits
+    monkeypatch.setattr(rc, "DATA", tmp_path)
+    assert all(not s.chosen for s in het.settings_of("full", "long"))
 
 
 def test_fednova_note_follows_the_logged_step_counts():
