@@ -84,11 +84,7 @@ def build(settings: list[rc.Setting], cells: dict[str, dict[int, rc.Run]], plots
         if not rc.setting_runs(s, cells)["fedavg"]:
             sections.append(rc.setting_header(s) + "Not run yet.\n")
             continue
-        sections.append(rc.setting_header(s) + "Tuning: validation accuracy (%, mean of the last "
-                        f"{rc.K_LAST} evaluations and of seeds {', '.join(map(str, s.tuning.seeds))}) of each grid point "
-                        "on the validation split (a stratified tenth of each client's training rows held out; "
-                        "the test set is not read); the chosen point in bold:\n\n"
-                        + rc.tuning_table(s, cells, {**LABELS, **CATALOGUE}) + "\n")
+        sections.append(rc.setting_header(s) + rc.tuning_section(s, cells, {**LABELS, **CATALOGUE}) + "\n")
         table, diffs = rc.main_table(s, cells, tags)
         verdicts += rc.verdict_rows(s, diffs, [*LABELS, *CATALOGUE])
         sections.append("Rows (each with its chosen values, on all of the clients' training rows):\n" + rc.rows_list(s, tags) + "\n" + table + "\n"

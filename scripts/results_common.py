@@ -805,6 +805,16 @@ def stale_artefacts(jobs: Sequence[Job], cells: dict[str, dict[int, Run]]) -> li
             and resolved(run["stats"]["overrides"]) != resolved(job.overrides)]
 
 
+def tuning_section(s: Setting, cells: dict[str, dict[int, Run]], labels: dict[str, str], then: str = "") -> str:
+    """The paragraph that opens a tuned setting: how its grid was scored, ``then`` (what the document adds about
+    its rows), and the grid (tuning_table)."""
+    assert s.tuning is not None
+    return ("Tuning: validation accuracy (%, mean of the last "
+            f"{K_LAST} evaluations and of seeds {', '.join(map(str, s.tuning.seeds))}) of each grid point on the "
+            "validation split (a stratified tenth of each client's training rows held out; the test set is not "
+            f"read); the chosen point in bold{then}:\n\n" + tuning_table(s, cells, labels))
+
+
 def tuning_table(s: Setting, cells: dict[str, dict[int, Run]], labels: dict[str, str]) -> str:
     """Per tuned algorithm and value of its second key (if any), the validation accuracy of each learning rate
     (mean over the tuning seeds, %), the winner in bold, and the winner named in the last column (with a note

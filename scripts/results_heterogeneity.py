@@ -295,21 +295,12 @@ def baseline_verdicts(s: Setting, runs: dict[str, dict[int, rc.Run]]
     return out
 
 
-def tuning_text(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> str:
-    """The setting's tuning table: how each row's learning rate (and FedProx's mu) was chosen."""
-    assert s.tuning is not None
-    return ("Tuning: validation accuracy (%, mean of the last "
-            f"{rc.K_LAST} evaluations and of seeds {', '.join(map(str, s.tuning.seeds))}) of each grid point on the "
-            "validation split (a stratified tenth of each client's training rows held out; the test set is not "
-            "read); the chosen point in bold. Every row below (the noise floor, FedAvg run longer and the "
-            "ablations too) runs at its algorithm's chosen values on all of the clients' training rows, in place "
-            "of the setting's train.lr=0.05:\n\n" + rc.tuning_table(s, cells, LABELS) + "\nRows:\n")
-
-
 def rows_intro(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> str:
     """How the setting's rows got their learning rates: tuned here, taken from the 30-round tuning, or set by hand."""
     if s.tuning is not None:
-        return tuning_text(s, cells)
+        return rc.tuning_section(s, cells, LABELS, ". Every row below (the noise floor, FedAvg run longer and the "
+                                 "ablations too) runs at its algorithm's chosen values on all of the clients' training "
+                                 "rows, in place of the setting's train.lr=0.05") + "\nRows:\n"
     if any(row.tuned for row in s.rows):
         return ("Rows (each at the values heterogeneity.md's 30-round tuning chose on the validation split, in place "
                 "of the setting's train.lr=0.05; its Tuning table):\n")
