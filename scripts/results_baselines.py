@@ -86,7 +86,7 @@ def build(settings: list[rc.Setting], cells: dict[str, dict[int, rc.Run]], plots
             continue
         sections.append(rc.setting_header(s) + rc.tuning_section(s, cells, {**LABELS, **CATALOGUE}) + "\n")
         table, diffs = rc.main_table(s, cells, tags)
-        verdicts += rc.verdict_rows(s, diffs, [*LABELS, *CATALOGUE])
+        verdicts += rc.verdict_rows(s, cells, diffs, [*LABELS, *CATALOGUE])
         sections.append("Rows (each with its chosen values, on all of the clients' training rows):\n" + rc.rows_list(s, tags) + "\n" + table + "\n"
                         + rc.fednova_note(rc.setting_runs(s, cells)) + rc.plot_rows(
             s, cells, list(LABELS), plots, f"{DOC}_{s.name}{suffix}.png", f"{s.title}: test accuracy, mean and 95% band"))

@@ -68,8 +68,7 @@ class Job:
     cell: str
     seed: int
     overrides: list[str]
-    # a tuning run (Setting.tuning_jobs): its artefact keeps TUNING_METRICS only, and a run the platform
-    # stops because training diverged (NonFiniteError) is recorded as such, a grid point never chosen
+    # a tuning run (Setting.tuning_jobs): its artefact keeps TUNING_METRICS only
     tuning: bool = False
 
     @property
@@ -121,7 +120,10 @@ def run_job(job: Job, runs: Path, artefacts: Path, code: tuple[Path, str], threa
             status, usage, row_cpu = _wait_sampling_cpu(proc.pid, run_dir / "metrics.jsonl")
         failed = os.waitstatus_to_exitcode(status) != 0
         diverged = _diverged(run_dir / "stdout.log") if failed else None
-        if failed and not (job.tuning and diverged):
+        # a run the platform stops because training diverged (NonFiniteError) is a result, recorded as such: a
+        # grid point never chosen, a row's seed without a number (``finished``, ``missing_runs``); any other
+        # failure is the harness's and stops here
+        if failed and not diverged:
             raise RuntimeError(f"run {job.name} failed: {' '.join(cmd)}; see {run_dir / 'stdout.log'}")
         stats = {"cpu_s": round(usage.ru_utime + usage.ru_stime, 2), "wall_s": round(time.perf_counter() - t0, 2),
                  "commit": code[1], "overrides": job.overrides, "row_cpu_s": row_cpu,
@@ -495,6 +497,9 @@ class PaperClaim:
     # Why the rows compared are not each tuned on a validation split ("": they are): a verdict compares tuned
     # against tuned, so such a comparison is "untested" (issue 28 item 3; filled by untuned_reason).
     untuned: str = ""
+    # Which rows compared diverged on some seed ("": none; filled by diverged_reason): their numbers are over
+    # the seeds that finished, so the comparison is "untested".
+    diverged: str = ""
 
 
 MIN_SEEDS = 10  # rows a verdict rests on have at least this many paired seeds (README.md, "Verdicts")
@@ -515,6 +520,9 @@ def verdict(claim: PaperClaim, ours: Interval | None, against: str | None = None
     if claim.baselines and against not in claim.baselines:
         return "untested", (f"the paper's claim is against {' / '.join(claim.baselines)}; this row is against "
                             f"{against}, a comparison the paper does not make")
+    if claim.diverged:
+        return "untested", (f"{claim.diverged} (training became non-finite at the chosen values); a verdict "
+                            "needs every seed to finish")
     if ours is None or ours.n < MIN_SEEDS:
         return "untested", f"{0 if ours is None else ours.n} paired seeds; a verdict needs >= {MIN_SEEDS}"
     if claim.untuned:  # and where the result is not the paper's, the budget would keep it untested too
@@ -858,8 +866,28 @@ def accuracies(runs: dict[int, Run], **kw: Any) -> dict[int, float]:
     return {seed: final_accuracy(run, **kw) for seed, run in sorted(runs.items())}
 
 
+def finished(runs: dict[int, Run]) -> dict[int, Run]:
+    """The runs that ran to their end: a diverged run (its run.json says so) has no final accuracy, and its
+    metrics stop at the divergence, so no table or plot reads it (``missing_runs`` and ``diverged_reason`` name
+    it instead)."""
+    return {seed: run for seed, run in runs.items() if not run["stats"].get("diverged")}
+
+
+def diverged_seeds(s: Setting, cells: dict[str, dict[int, Run]], tag: str) -> list[int]:
+    return sorted(k for k, run in cells.get(f"{s.name}/{tag}", {}).items() if run["stats"].get("diverged"))
+
+
+def diverged_reason(s: Setting, cells: dict[str, dict[int, Run]], *tags: str) -> str:
+    """Which of the rows ``tags`` diverged on some seed ("" when none did): their numbers are over the seeds
+    that finished, a survivor's mean, so a verdict on them is "untested"."""
+    out = [f"{s.row(t).label} diverged on {len(d)} of {len(s.row(t).seeds)} seeds" for t in tags
+           if s.row(t) is not None and (d := diverged_seeds(s, cells, t))]
+    return "; ".join(out)
+
+
 def setting_runs(s: Setting, cells: dict[str, dict[int, Run]]) -> dict[str, dict[int, Run]]:
-    return {row.tag: cells.get(f"{s.name}/{row.tag}", {}) for row in s.rows}
+    """tag -> seed -> run of every row of ``s``, finished runs only."""
+    return {row.tag: finished(cells.get(f"{s.name}/{row.tag}", {})) for row in s.rows}
 
 
 def method_paragraph() -> str:
@@ -929,16 +957,32 @@ def fednova_note(runs: dict[str, dict[int, Run]]) -> str:
             "here.\n\n")
 
 
+def _seed_list(seeds: Sequence[int]) -> str:
+    """"seed 3", "seeds 0-9", "seeds 1, 4"."""
+    run = len(seeds) > 1 and list(seeds) == list(range(seeds[0], seeds[-1] + 1))
+    return (f"seeds {seeds[0]}-{seeds[-1]}" if run else ("seeds " if len(seeds) > 1 else "seed ")
+            + ", ".join(map(str, seeds)))
+
+
 def missing_runs(s: Setting, cells: dict[str, dict[int, Run]]) -> str:
-    """The planned runs without an artefact, per row: what a later run of this script adds."""
-    out = []
+    """The planned runs without a number, per row: those without an artefact (what a later run of this script
+    adds) and those whose training diverged (made, and recorded as such: never run again)."""
+    out, gone = [], []
     for r in s.rows:
         have = set(cells.get(f"{s.name}/{r.tag}", {}))
         todo = [k for k in r.seeds if k not in have]
         if todo:
-            run = len(todo) > 1 and todo == list(range(todo[0], todo[-1] + 1))
-            out.append(f"{r.label} (seeds {f'{todo[0]}-{todo[-1]}' if run else ', '.join(map(str, todo))})")
-    return ("Planned runs not made yet: " + "; ".join(out) + ".\n\n") if out else ""
+            out.append(f"{r.label} ({_seed_list(todo)})")
+        if d := diverged_seeds(s, cells, r.tag):
+            first = cells[f"{s.name}/{r.tag}"][d[0]]["stats"]["diverged"]
+            gone.append(f"{r.label} ({_seed_list(d)}" + (f"; seed {d[0]}: `{first}`)" if len(d) > 1 else f": `{first}`)"))
+    text = ("Planned runs not made yet: " + "; ".join(out) + ".\n\n") if out else ""
+    if gone:
+        text += ("Runs whose training diverged (the loss became non-finite and the platform stopped the run, "
+                 "which has no final accuracy): " + "; ".join(gone) + ". These rows' numbers, and every comparison "
+                 "with them, are over the seeds that finished (a survivors' mean, which flatters the row); their "
+                 "verdicts read \"untested\".\n\n")
+    return text
 
 
 def last_wins(overrides: Sequence[str]) -> list[str]:
@@ -1035,9 +1079,11 @@ def untuned_reason(s: Setting, *tags: str) -> str:
             "method; no validation-split tuning)")
 
 
-def verdict_rows(s: Setting, diffs: dict[str, Interval], tags: Sequence[str]) -> list[tuple[PaperClaim, Interval | None, str]]:
+def verdict_rows(s: Setting, cells: dict[str, dict[int, Run]], diffs: dict[str, Interval], tags: Sequence[str]
+                 ) -> list[tuple[PaperClaim, Interval | None, str]]:
     """(claim, our paired difference to FedAvg, 'FedAvg') for the rows ``tags`` that ran; a row
-    without its own claim takes the setting's ``baseline`` claim; a comparison with an untuned row says so."""
+    without its own claim takes the setting's ``baseline`` claim; a comparison with an untuned row, or with
+    a row that diverged on some seed, says so."""
     out = []
     for tag in tags:
         row = s.row(tag)
@@ -1045,7 +1091,8 @@ def verdict_rows(s: Setting, diffs: dict[str, Interval], tags: Sequence[str]) ->
             continue
         claim = s.paper.get(tag) or s.paper["baseline"]
         out.append((replace(claim, algorithm=f"{claim.algorithm or row.label} ({s.name})",
-                            untuned=untuned_reason(s, tag, "fedavg")),
+                            untuned=untuned_reason(s, tag, "fedavg"),
+                            diverged=diverged_reason(s, cells, tag, "fedavg")),
                     None if tag == "fedavg" else diffs[tag], "FedAvg"))
     return out
 

@@ -277,11 +277,11 @@ def _upload_ratio(fedavg: dict[int, rc.Run]):
     return cell
 
 
-def baseline_verdicts(s: Setting, runs: dict[str, dict[int, rc.Run]]
+def baseline_verdicts(s: Setting, cells: dict[str, dict[int, rc.Run]]
                       ) -> list[tuple[rc.PaperClaim, rc.Interval | None, str]]:
     """FedImpro's and VHL's claims against each of the papers' other baselines (FedProx, SCAFFOLD, FedNova),
     paired by seed: one verdict row per comparison the paper makes (its claim is over all four)."""
-    out = []
+    out, runs = [], rc.setting_runs(s, cells)
     for alg in ("fedimpro", "vhl"):
         claim = s.paper.get(alg)
         if claim is None or claim.direction is None or not runs.get(alg):
@@ -290,7 +290,8 @@ def baseline_verdicts(s: Setting, runs: dict[str, dict[int, rc.Run]]
         for base in BASELINES:
             if runs.get(base):
                 out.append((replace(claim, algorithm=f"{claim.algorithm} vs {LABELS[base]} ({s.name})",
-                                    untuned=rc.untuned_reason(s, alg, base)),
+                                    untuned=rc.untuned_reason(s, alg, base),
+                                    diverged=rc.diverged_reason(s, cells, alg, base)),
                             rc.paired(acc, rc.accuracies(runs[base])), LABELS[base]))
     return out
 
@@ -325,7 +326,7 @@ def build(settings: list[Setting], cells: dict[str, dict[int, rc.Run]], plots: P
         tags = [t for t in [*MAIN, NOISE] if s.row(t)]
         table, diffs = rc.main_table(s, cells, tags, {"PredShift accuracy": _predshift,
                                                       "bytes up / FedAvg's": _upload_ratio(runs["fedavg"])})
-        verdicts += rc.verdict_rows(s, diffs, [t for t in MAIN if s.row(t)]) + baseline_verdicts(s, runs)
+        verdicts += rc.verdict_rows(s, cells, diffs, [t for t in MAIN if s.row(t)]) + baseline_verdicts(s, cells)
         text = rc.setting_header(s) + rows_intro(s, cells)
         text += (rc.rows_list(s, tags) + "\n" + rc.missing_runs(s, cells) + table + "\n" + rc.fednova_note(runs))
         text += rc.plot_rows(s, cells, [t for t in MAIN if s.row(t)], plots, f"{DOC}_{s.name}{suffix}.png",

@@ -266,7 +266,7 @@ COMPARISONS = [
 def values(cells: dict[str, dict[int, rc.Run]], s: Setting, m: Measure) -> dict[int, float]:
     """seed -> the measure: the last metrics row holding ``m.key`` (one final model per run, evaluated once)."""
     out = {}
-    for seed, run in sorted(cells.get(f"{s.name}/{m.tag}", {}).items()):
+    for seed, run in sorted(rc.finished(cells.get(f"{s.name}/{m.tag}", {})).items()):
         rows = [r for r in run["rows"] if r.get(m.key) is not None]
         if rows:
             out[seed] = float(rows[-1][m.key])
@@ -313,7 +313,7 @@ def traffic_table(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> str:
               "final model parameters", "CPU s per run (mean)"]
     rows = []
     for row in s.rows:
-        runs = cells.get(f"{s.name}/{row.tag}")
+        runs = rc.finished(cells.get(f"{s.name}/{row.tag}", {}))
         if not runs:
             continue
         run = runs[min(runs)]
@@ -487,7 +487,7 @@ def build(settings: list[Setting], cells: dict[str, dict[int, rc.Run]], plots: P
     suffix = rc.suffix_of(DOC, artefacts)
     sections, verdict_rows = [], []
     for s in settings:
-        if not cells.get(f"{s.name}/fedavg"):
+        if not rc.finished(cells.get(f"{s.name}/fedavg", {})):
             sections.append(rc.setting_header(s) + "Not run yet.\n")
             continue
         verdict_rows += verdicts(s, cells)

@@ -129,7 +129,8 @@ def _minus_clip_only(s: rc.Setting, cells: dict[str, dict[int, rc.Run]]):
     runs = rc.setting_runs(s, cells)
 
     def cell(r: dict[int, rc.Run]) -> str:
-        tag = next((t for t, v in runs.items() if v is r), "")
+        # the row whose runs these are (the same run objects: setting_runs builds new dicts on each call)
+        tag = next((t for t, v in runs.items() if v.keys() == r.keys() and all(v[k] is r[k] for k in v)), "")
         mode = tag.split("_")[0]
         null = runs.get(tag_of(mode, math.inf)) if mode in MODES else None
         if not null or tag == tag_of(mode, math.inf):

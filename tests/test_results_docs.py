@@ -159,7 +159,7 @@ def test_a_verdict_compares_tuned_against_tuned():
     rows = [rc.Row("fedavg", "FedAvg", "fedavg", [], [0]), rc.Row("x", "X", "fedavg", [], [0])]
     s = rc.Setting("d", "digits", ["dataset=digits", "train.lr=0.05"], 4, rows, {"fedavg": ["algorithm=fedavg"]},
                    paper={"baseline": claim})
-    ((c, iv, against),) = [r for r in rc.verdict_rows(s, {"x": _ten(0.02)}, ["x"])]
+    ((c, iv, against),) = [r for r in rc.verdict_rows(s, {}, {"x": _ten(0.02)}, ["x"])]
     v, why = rc.verdict(c, iv, against)
     assert v == "untested" and why.startswith("X and FedAvg not tuned (learning rate 0.05")
     assert "budget" not in why  # on the paper's side: the budget does not matter
@@ -170,7 +170,7 @@ def test_a_verdict_compares_tuned_against_tuned():
     assert "budget as well" in rc.verdict(short, _ten(-0.02), against)[1]
     tuned = replace(s, rows=[replace(r, tuned=True) for r in rows], chosen={"fedavg": ("train.lr=0.1",)},
                     tuning=rc.Tuning({"fedavg": {"train.lr": (0.1,)}}, (100,)))
-    ((c, iv, against),) = rc.verdict_rows(tuned, {"x": _ten(0.02)}, ["x"])
+    ((c, iv, against),) = rc.verdict_rows(tuned, {}, {"x": _ten(0.02)}, ["x"])
     assert rc.verdict(c, iv, against)[0] == "direction only"
     assert rc.untuned_reason(replace(s, preset="fedimpro_fmnist"), "x", "fedavg") == ""
 
@@ -545,7 +545,7 @@ def _fake_platform(code, error: str):
         "sys.exit(1)\n")
 
 
-def test_a_diverged_tuning_run_is_recorded_any_other_failure_fails(tmp_path):
+def test_a_diverged_run_is_recorded_any_other_failure_fails(tmp_path):
     code = (tmp_path / "code", "c0")
     _fake_platform(code[0], "error: NonFiniteError: client 2 in round 2: the training loss became nan")
     tune = rc.Job("d/tune/fedavg/train.lr0.2", 100, ["x=1"], tuning=True)
@@ -553,11 +553,43 @@ def test_a_diverged_tuning_run_is_recorded_any_other_failure_fails(tmp_path):
     assert stats_["diverged"] == "NonFiniteError: client 2 in round 2: the training loss became nan"
     run = rc.load_cells(tmp_path / "art")["d/tune/fedavg/train.lr0.2"][100]
     assert run["rows"] == [{"round": 1, "val_accuracy": 0.1}] and run["summary"] == {"diverged": stats_["diverged"]}
-    with pytest.raises(RuntimeError, match="run d/fedavg/s0 failed"):  # a table row's run never diverges quietly
-        rc.run_job(rc.Job("d/fedavg", 0, ["x=1"]), tmp_path / "runs", tmp_path / "art", code)
+    # a table row's diverged run is a result too: recorded with its metrics up to the divergence
+    assert rc.run_job(rc.Job("d/fedavg", 0, ["x=1"]), tmp_path / "runs", tmp_path / "art", code)["diverged"]
+    assert rc.load_cells(tmp_path / "art")["d/fedavg"][0]["rows"] == [
+        {"round": 1, "test_accuracy": 0.2, "val_accuracy": 0.1}]
     _fake_platform(code[0], "error: ValueError: train.lr: must be > 0")
     with pytest.raises(RuntimeError, match=re.escape("run d/tune/fedavg/train.lr0.2/s101 failed")):
         rc.run_job(replace(tune, seed=101), tmp_path / "runs", tmp_path / "art", code)
+    with pytest.raises(RuntimeError, match=re.escape("run d/fedavg/s1 failed")):
+        rc.run_job(rc.Job("d/fedavg", 1, ["x=1"]), tmp_path / "runs", tmp_path / "art", code)
+
+
+def test_a_rows_diverged_seed_is_named_never_averaged_and_its_verdicts_are_untested():
+    s = _tuned_setting()
+    s.paper = {"baseline": rc.PaperClaim("X", "setting", None, None, ""), "fedprox": rc.PaperClaim("P", "s", None, 1, "")}
+    seeds = list(range(10))
+    for row in s.rows:
+        row.seeds = seeds
+    run = lambda acc, **stats: {"name": "r", "rows": [{"round": r, "test_accuracy": acc} for r in range(1, 6)],  # noqa: E731
+                                "stats": {"cpu_s": 1.0, **stats}}
+    cells = {"d/fedavg": {k: run(0.5 + 0.01 * k) for k in seeds},
+             "d/fedprox": {k: run(0.6 + 0.01 * k) for k in seeds}}
+    cells["d/fedprox"][7] = run(0.01, diverged="NonFiniteError: client 3 in round 9: the training loss became nan")
+    runs = rc.setting_runs(s, cells)
+    assert sorted(runs["fedprox"]) == [k for k in seeds if k != 7] and len(runs["fedavg"]) == 10
+    text = rc.missing_runs(s, cells)
+    # made (never run again): only the noise row, which has no runs here, is still to be made
+    assert text.startswith("Planned runs not made yet: FedAvg, other minibatch orders (noise floor) (seeds 0-9).\n\n"
+                           "Runs whose training diverged")
+    assert "FedProx (seed 7: `NonFiniteError: client 3 in round 9" in text
+    d = rc.paired(rc.accuracies(runs["fedprox"]), rc.accuracies(runs["fedavg"]))
+    assert d.n == 9 and d.mean == pytest.approx(0.10)  # the diverged seed's 1% never enters the difference
+    (claim, iv, null), = rc.verdict_rows(s, cells, {"fedprox": d}, ["fedprox"])
+    assert iv is d and null == "FedAvg"
+    assert claim.diverged == "FedProx diverged on 1 of 10 seeds"
+    assert rc.verdict(claim, replace(d, n=10), null) == (
+        "untested", "FedProx diverged on 1 of 10 seeds (training became non-finite at the chosen values); a verdict "
+                    "needs every seed to finish")
 
 
 def test_a_tuned_row_waits_for_every_tuning_run_and_an_artefact_made_otherwise_is_replaced():
