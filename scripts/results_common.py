@@ -68,8 +68,9 @@ class Job:
     cell: str
     seed: int
     overrides: list[str]
-    # a tuning run (Setting.tuning_jobs): its artefact keeps TUNING_METRICS only
-    tuning: bool = False
+    # the metrics columns its artefact keeps (None: all): a tuning run's TUNING_METRICS, a long run's
+    # what its document reads (Setting.metrics), so hundreds of them fit the artefacts' size limit
+    metrics: tuple[str, ...] | None = None
 
     @property
     def name(self) -> str:
@@ -131,7 +132,7 @@ def run_job(job: Job, runs: Path, artefacts: Path, code: tuple[Path, str], threa
         if diverged:  # the platform writes no summary for a stopped run: the runner's says why it stopped
             (run_dir / "summary.json").write_text(json.dumps({"diverged": diverged}, indent=2) + "\n")
         (run_dir / "run.json").write_text(json.dumps(stats, indent=1) + "\n")
-    export_artefact(run_dir, dest, TUNING_METRICS if job.tuning else None)
+    export_artefact(run_dir, dest, job.metrics)
     return json.loads((dest / "run.json").read_text())
 
 
@@ -702,6 +703,7 @@ class Setting:
     preset_algorithm: str = ""  # ... of this algorithm (others run in it without its algorithm keys)
     paper: dict[str, PaperClaim] = field(default_factory=dict)  # row tag (or "baseline") -> the paper's claim
     tuning: Tuning | None = None  # what the ``tuned`` rows are tuned over
+    metrics: tuple[str, ...] | None = None  # the columns its rows' artefacts keep (None: all)
     chosen: dict[str, tuple[str, ...]] = field(default_factory=dict)  # algorithm -> winner (choose_tuned fills it)
 
     def overrides_of(self, row: Row) -> list[str]:
@@ -729,7 +731,7 @@ class Setting:
             return []
         validation = [f"early_stop.patience={self.rounds + 1}"]  # more than the run's evaluations: never stops
         return [Job(f"{self.name}/tune/{a}/{combo_tag(c)}", seed,
-                    [*self.overrides_of(Row(a, a, a, [], [])), *c, *validation, f"seed={seed}"], tuning=True)
+                    [*self.overrides_of(Row(a, a, a, [], [])), *c, *validation, f"seed={seed}"], TUNING_METRICS)
                 for a in self.tuning.grids for c in self.tuning.combos(a) for seed in self.tuning.seeds]
 
     def row(self, tag: str) -> Row | None:
@@ -754,7 +756,7 @@ def setting_jobs(settings: Sequence[Setting], max_priority: int = 99) -> list[Jo
     """Every run up to ``max_priority``, lowest priority first (stable): the tuning runs first, then the rows;
     a tuned row only once its algorithm's winner is known (``choose_tuned``)."""
     out = [(0, j) for s in settings for j in s.tuning_jobs()]
-    out += [(priority(row, seed), Job(f"{s.name}/{row.tag}", seed, [*s.overrides_of(row), f"seed={seed}"]))
+    out += [(priority(row, seed), Job(f"{s.name}/{row.tag}", seed, [*s.overrides_of(row), f"seed={seed}"], s.metrics))
             for s in settings for row in s.rows if s.ready(row) for seed in row.seeds]
     return [j for p, j in sorted(out, key=lambda pj: pj[0]) if p <= max_priority]
 

@@ -52,6 +52,10 @@ TINY_GRIDS = {a: {k: v[2:4] if k == "train.lr" else v[1:2] for k, v in g.items()
 # The CPU settings whose rows are tuned (both); a setting left out keeps the hand-set lr 0.05 and every
 # verdict on it says "untested" (results_common.untuned_reason).
 TUNED = ("fashion_mnist", "femnist")
+# What a 200-round run's artefact keeps (--preset long): the columns this document reads (accuracy, bytes, FedNova's
+# tau_eff, VHL's PredShift) and the losses, ~10 KB a run instead of ~35 KB, so its 160 runs fit the artefacts' limit
+LONG_METRICS = ("round", "test_accuracy", "test_loss", "test_accuracy_predshift", "train_loss", "bytes_up",
+                "bytes_down", "tau_eff")
 
 
 def cpu_algorithm_overrides(dataset: str, rounds: int, batch: int, tiny: bool) -> dict[str, list[str]]:
@@ -182,7 +186,8 @@ def cpu_settings(budget: str, horizon: bool = False) -> list[Setting]:
         tuning = rc.Tuning(TINY_GRIDS if tiny else GRIDS, (100,) if tiny else (100, 101)) if name in TUNED else None
         out.append(Setting(name, title, [*overrides, *MODEL, *OPTIM], rounds, rows,
                            cpu_algorithm_overrides(name, rounds, batch, tiny),
-                           paper=cpu_paper(name, rounds, not horizon, tuned), tuning=None if horizon else tuning))
+                           paper=cpu_paper(name, rounds, not horizon, tuned), tuning=None if horizon else tuning,
+                           metrics=LONG_METRICS if horizon else None))
     if horizon:
         for s, chosen in zip(out, chosen_at_30_rounds(budget)):
             s.chosen.update(chosen)  # kept by choose_tuned: these settings have no grid of their own

@@ -509,7 +509,7 @@ def test_tuning_chooses_on_the_validation_split_never_the_test_set():
     tune = [j for j in jobs.values() if "/tune/" in j.name]
     assert len(tune) == (2 + 4) * 2 and all(rc.resolved(j.overrides)["early_stop.patience"] == "5" for j in tune)
     # they, and only they, are marked as tuning runs (their artefacts keep the validation columns only)
-    assert all(j.tuning == ("/tune/" in j.name) for j in jobs.values())
+    assert all(j.metrics == (rc.TUNING_METRICS if "/tune/" in j.name else None) for j in jobs.values())
     # a tie goes to the first in grid order
     scores[("fedavg", hi)] = scores[("fedavg", lo)]
     rc.choose_tuned([s], _tuning_cells(scores))
@@ -548,7 +548,7 @@ def _fake_platform(code, error: str):
 def test_a_diverged_run_is_recorded_any_other_failure_fails(tmp_path):
     code = (tmp_path / "code", "c0")
     _fake_platform(code[0], "error: NonFiniteError: client 2 in round 2: the training loss became nan")
-    tune = rc.Job("d/tune/fedavg/train.lr0.2", 100, ["x=1"], tuning=True)
+    tune = rc.Job("d/tune/fedavg/train.lr0.2", 100, ["x=1"], rc.TUNING_METRICS)
     stats_ = rc.run_job(tune, tmp_path / "runs", tmp_path / "art", code)
     assert stats_["diverged"] == "NonFiniteError: client 2 in round 2: the training loss became nan"
     run = rc.load_cells(tmp_path / "art")["d/tune/fedavg/train.lr0.2"][100]
@@ -653,6 +653,10 @@ def test_the_long_horizon_runs_at_the_values_the_30_round_tuning_chose(monkeypat
     assert jobs[f"fashion_mnist/{rc.LONG}/s0"]["rounds"] == "500" and jobs[f"fashion_mnist/{rc.NOISE}/s0"]["train.lr"] == "0.2"
     assert jobs["fashion_mnist/fedprox/s0"]["algorithm.mu"] == "0.001"
     assert {name.split("/")[1] for name in jobs} == {"fedavg", "fedprox", rc.NOISE, rc.LONG}  # no ablations
+    # their artefacts keep the columns the document reads (and the losses), not every logged metric
+    assert {j.metrics for j in rc.setting_jobs([fm, fe])} == {het.LONG_METRICS}
+    assert {"round", "test_accuracy", "test_accuracy_predshift", "bytes_up", "tau_eff"} <= set(het.LONG_METRICS)
+    assert all(s.metrics is None for s in het.settings_of("full", "cpu"))  # the 30-round rows keep every column
     assert set(rc.waiting_rows([fm, fe])) == {f"fashion_mnist/{a}" for a in ("scaffold", "fednova", "fedimpro", "vhl")} | {
         f"femnist/{r.tag}" for r in fe.rows}
     monkeypatch.undo()  # the real chosen_at_30_rounds, on no 30-round artefacts: nothing chosen, every row waits
