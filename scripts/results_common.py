@@ -881,7 +881,7 @@ def diverged_seeds(s: Setting, cells: dict[str, dict[int, Run]], tag: str) -> li
 
 def diverged_reason(s: Setting, cells: dict[str, dict[int, Run]], *tags: str) -> str:
     """Which of the rows ``tags`` diverged on some seed ("" when none did): their numbers are over the seeds
-    that finished, a survivor's mean, so a verdict on them is "untested"."""
+    that finished, a survivors' mean, so a verdict on them is "untested"."""
     out = [f"{s.row(t).label} diverged on {len(d)} of {len(s.row(t).seeds)} seeds" for t in tags
            if s.row(t) is not None and (d := diverged_seeds(s, cells, t))]
     return "; ".join(out)

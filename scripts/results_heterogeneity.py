@@ -53,7 +53,7 @@ TINY_GRIDS = {a: {k: v[2:4] if k == "train.lr" else v[1:2] for k, v in g.items()
 # verdict on it says "untested" (results_common.untuned_reason).
 TUNED = ("fashion_mnist", "femnist")
 # What a 200-round run's artefact keeps (--preset long): the columns this document reads (accuracy, bytes, FedNova's
-# tau_eff, VHL's PredShift) and the losses, ~10 KB a run instead of ~35 KB, so its 160 runs fit the artefacts' limit
+# tau_eff, VHL's PredShift) and the losses: ~9 KB a run instead of ~31 KB, so its 160 runs fit the artefacts' limit
 LONG_METRICS = ("round", "test_accuracy", "test_loss", "test_accuracy_predshift", "train_loss", "bytes_up",
                 "bytes_down", "tau_eff")
 
