@@ -122,17 +122,17 @@ def run_job(job: Job, runs: Path, artefacts: Path, code: tuple[Path, str], threa
             proc = subprocess.Popen(cmd, cwd=code[0], env=env, stdout=log, stderr=subprocess.STDOUT)
             status, usage, row_cpu = _wait_sampling_cpu(proc.pid, run_dir / "metrics.jsonl")
         failed = os.waitstatus_to_exitcode(status) != 0
-        diverged = _diverged(run_dir / "stdout.log") if failed else None
+        error = _diverged(run_dir / "stdout.log") if failed else None
         # a run the platform stops because training diverged (NonFiniteError) is a result, recorded as such: a
         # grid point never chosen, a row's seed without a number (``finished``, ``missing_runs``); any other
         # failure is the harness's and stops here
-        if failed and not diverged:
+        if failed and not error:
             raise RuntimeError(f"run {job.name} failed: {' '.join(cmd)}; see {run_dir / 'stdout.log'}")
         stats = {"cpu_s": round(usage.ru_utime + usage.ru_stime, 2), "wall_s": round(time.perf_counter() - t0, 2),
                  "commit": code[1], "overrides": job.overrides, "row_cpu_s": row_cpu,
-                 **({"diverged": diverged} if diverged else {})}
-        if diverged:  # the platform writes no summary for a stopped run: the runner's says why it stopped
-            (run_dir / "summary.json").write_text(json.dumps({"diverged": diverged}, indent=2) + "\n")
+                 **({"diverged": error} if error else {})}
+        if error:  # the platform writes no summary for a stopped run: the runner's says why it stopped
+            (run_dir / "summary.json").write_text(json.dumps({"diverged": error}, indent=2) + "\n")
         (run_dir / "run.json").write_text(json.dumps(stats, indent=1) + "\n")
     export_artefact(run_dir, dest, job.metrics)
     return json.loads((dest / "run.json").read_text())
@@ -778,7 +778,7 @@ def tuning_scores(s: Setting, cells: dict[str, dict[int, Run]], algorithm: str) 
         runs = cells.get(f"{s.name}/tune/{algorithm}/{combo_tag(combo)}", {})
         if not all(seed in runs for seed in s.tuning.seeds):
             out[combo] = None
-        elif any(runs[seed]["stats"].get("diverged") for seed in s.tuning.seeds):
+        elif any(diverged(runs[seed]) for seed in s.tuning.seeds):
             out[combo] = -math.inf
         else:
             out[combo] = statistics.fmean(final_accuracy(runs[seed], metric="val_accuracy") for seed in s.tuning.seeds)
@@ -870,15 +870,20 @@ def accuracies(runs: dict[int, Run], **kw: Any) -> dict[int, float]:
     return {seed: final_accuracy(run, **kw) for seed, run in sorted(runs.items())}
 
 
+def diverged(run: Run) -> bool:
+    """Whether the platform stopped ``run`` because training became non-finite (run_job records it in run.json)."""
+    return bool(run["stats"].get("diverged"))
+
+
 def finished(runs: dict[int, Run]) -> dict[int, Run]:
     """The runs that ran to their end: a diverged run (its run.json says so) has no final accuracy, and its
     metrics stop at the divergence, so no table or plot reads it (``missing_runs`` and ``diverged_reason`` name
     it instead)."""
-    return {seed: run for seed, run in runs.items() if not run["stats"].get("diverged")}
+    return {seed: run for seed, run in runs.items() if not diverged(run)}
 
 
 def diverged_seeds(s: Setting, cells: dict[str, dict[int, Run]], tag: str) -> list[int]:
-    return sorted(k for k, run in cells.get(f"{s.name}/{tag}", {}).items() if run["stats"].get("diverged"))
+    return sorted(k for k, run in cells.get(f"{s.name}/{tag}", {}).items() if diverged(run))
 
 
 def diverged_reason(s: Setting, cells: dict[str, dict[int, Run]], *tags: str) -> str:
