@@ -886,6 +886,13 @@ def diverged_seeds(s: Setting, cells: dict[str, dict[int, Run]], tag: str) -> li
     return sorted(k for k, run in cells.get(f"{s.name}/{tag}", {}).items() if diverged(run))
 
 
+def seed_count(s: Setting, cells: dict[str, dict[int, Run]], tag: str, n: int) -> str:
+    """A table's seed count for row ``tag``, saying how many more seeds diverged: its numbers are then a
+    survivors' mean, and the column says so where the eye reads the count."""
+    lost = diverged_seeds(s, cells, tag)
+    return f"{n} (+{len(lost)} diverged)" if lost else str(n)
+
+
 def diverged_reason(s: Setting, cells: dict[str, dict[int, Run]], *tags: str) -> str:
     """Which of the rows ``tags`` diverged on some seed ("" when none did): their numbers are over the seeds
     that finished, a survivors' mean, so a verdict on them is "untested"."""
@@ -939,7 +946,7 @@ def main_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str]
         if tag != "fedavg":
             diffs[tag] = d
         same = tag == "fedavg"
-        rows.append([row.label, str(len(shared)), fmt_mean(interval([acc[k] for k in shared])),
+        rows.append([row.label, seed_count(s, cells, tag, len(shared)), fmt_mean(interval([acc[k] for k in shared])),
                      "-" if same else fmt_mean(interval([base[k] for k in shared])), "-" if same else fmt_diff(d),
                      "-" if same else fmt_p(d), "-" if same else reading(d), *(f(r) for f in (extra or {}).values()),
                      f"{cpu_per_round(r.values()):.3g}",
@@ -1050,7 +1057,8 @@ def equal_compute_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequ
         short = " (the long run's end: FedAvg gets less than equal compute)" if ratio * s.rounds > max(eval_rounds) + 1 else ""
         d = paired(acc, at_eq)
         rows.append([s.row(tag).label, f"{ratio:.2f} ({len(timed)} runs)", f"{r_eq}{short}",
-                     fmt_mean(interval([at_eq[k] for k in sorted(set(acc) & set(at_eq))])), str(d.n), fmt_diff(d),
+                     fmt_mean(interval([at_eq[k] for k in sorted(set(acc) & set(at_eq))])),
+                     seed_count(s, cells, tag, d.n), fmt_diff(d),
                      fmt_p(d), reading(d)])
     header = ["algorithm", "CPU s per round / FedAvg's (runs timed)", "FedAvg's round of equal compute",
               f"FedAvg there (last {K_LAST} evaluations)", "seeds", "algorithm minus FedAvg at equal compute",

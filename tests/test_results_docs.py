@@ -571,7 +571,7 @@ def test_a_rows_diverged_seed_is_named_never_averaged_and_its_verdicts_are_untes
     for row in s.rows:
         row.seeds = seeds
     run = lambda acc, **stats: {"name": "r", "rows": [{"round": r, "test_accuracy": acc} for r in range(1, 6)],  # noqa: E731
-                                "stats": {"cpu_s": 1.0, **stats}}
+                                "stats": {"cpu_s": 1.0, "row_cpu_s": [0.2, 0.4, 0.6, 0.8, 1.0], **stats}}
     cells = {"d/fedavg": {k: run(0.5 + 0.01 * k) for k in seeds},
              "d/fedprox": {k: run(0.6 + 0.01 * k) for k in seeds}}
     cells["d/fedprox"][7] = run(0.01, diverged="NonFiniteError: client 3 in round 9: the training loss became nan")
@@ -587,6 +587,8 @@ def test_a_rows_diverged_seed_is_named_never_averaged_and_its_verdicts_are_untes
     (claim, iv, null), = rc.verdict_rows(s, cells, {"fedprox": d}, ["fedprox"])
     assert iv is d and null == "FedAvg"
     assert claim.diverged == "FedProx diverged on 1 of 10 seeds"
+    (header, rows), = _tables(rc.main_table(s, cells, ["fedavg", "fedprox"])[0])  # the seeds column says so too
+    assert [r[header.index("seeds")] for r in rows] == ["10", "9 (+1 diverged)"]
     assert rc.verdict(claim, replace(d, n=10), null) == (
         "untested", "FedProx diverged on 1 of 10 seeds (training became non-finite at the chosen values); a verdict "
                     "needs every seed to finish")
