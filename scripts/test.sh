@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh --dev
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest -n 2 --dist loadgroup --durations=25 "$@"
+exec .venv/bin/python -m pytest -n 3 --dist loadgroup --durations=25 "$@"

@@ -285,6 +285,34 @@ def test_a_registered_spec_is_a_choice_and_can_be_dropped():
         compose_config(f"algorithm={name}")
 
 
+def test_the_tests_compose_cache_composes_afresh_once_the_config_store_changes():
+    """conftest's compose_config composes each override list once per state of the ConfigStore and hands
+    out copies: a caller's edit never reaches the next caller, and an option registered again with other
+    defaults is read again (never the config cached under the same overrides)."""
+    from dataclasses import dataclass, replace
+
+    from plugin_pkg.alg import SPEC, ClipConf
+
+    @dataclass
+    class Tighter(ClipConf):
+        max_norm: float = 0.5
+
+    compose_config("rounds=2")  # (a process's first compose loads Hydra's plug-ins, which add store entries)
+    mine = compose_config("rounds=2")
+    mine.rounds = 9
+    assert compose_config("rounds=2").rounds == 2
+    name = register_algorithm(SPEC, "clip_cached")
+    try:
+        assert compose_config(f"algorithm={name}").algorithm.max_norm == 0.0
+    finally:
+        unregister_algorithm(name)
+    register_algorithm(replace(SPEC, conf=Tighter), name)
+    try:
+        assert compose_config(f"algorithm={name}").algorithm.max_norm == 0.5
+    finally:
+        unregister_algorithm(name)
+
+
 # ---------------------------------------------------------------- strict config
 
 
