@@ -28,7 +28,7 @@ register_configs()
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Parallel runs (scripts/test.sh: three pytest workers on two cores): one torch thread per worker
-    # process and per child process, so the workers do not oversubscribe the cores.
+    # process and per child process, so the workers oversubscribe the cores no further than their number.
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
