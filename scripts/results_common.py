@@ -519,7 +519,8 @@ def verdict(claim: PaperClaim, ours: Interval | None, against: str | None = None
     interval over >= MIN_SEEDS seeds excludes 0 on the paper's side, against a comparison the paper makes."""
     if claim.direction is None:
         why = "no paper number in the specs" if claim.number is None else "the paper makes no claim here"
-        return "not comparable", f"{why}; {claim.differences}" if claim.differences else why
+        lost = f"; {claim.diverged} (training became non-finite at the chosen values)" if claim.diverged else ""
+        return "not comparable", (f"{why}; {claim.differences}" if claim.differences else why) + lost
     if claim.baselines and against not in claim.baselines:
         return "untested", (f"the paper's claim is against {' / '.join(claim.baselines)}; this row is against "
                             f"{against}, a comparison the paper does not make")
@@ -926,9 +927,10 @@ def provenance(doc: str, artefacts: Path, cells: dict[str, dict[int, Run]], comm
 
 
 def main_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str],
-               extra: dict[str, Callable[[dict[int, Run]], str]] | None = None) -> tuple[str, dict[str, Interval]]:
+               extra: dict[str, Callable[[str, dict[int, Run]], str]] | None = None) -> tuple[str, dict[str, Interval]]:
     """Rows ``tags`` (those with runs) against FedAvg: seeds, accuracy, FedAvg's accuracy on the same seeds,
-    paired difference, p, reading, ``extra`` columns, CPU seconds per round and per run; returns the table and
+    paired difference, p, reading, ``extra`` columns (each cell from the row's tag and its finished runs),
+    CPU seconds per round and per run; returns the table and
     the differences. A row's numbers are all over the seeds it shares with FedAvg (never two seed sets in one
     row: a 5-seed row is not set against FedAvg's 10-seed mean)."""
     runs = setting_runs(s, cells)
@@ -948,7 +950,7 @@ def main_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str]
         same = tag == "fedavg"
         rows.append([row.label, seed_count(s, cells, tag, len(shared)), fmt_mean(interval([acc[k] for k in shared])),
                      "-" if same else fmt_mean(interval([base[k] for k in shared])), "-" if same else fmt_diff(d),
-                     "-" if same else fmt_p(d), "-" if same else reading(d), *(f(r) for f in (extra or {}).values()),
+                     "-" if same else fmt_p(d), "-" if same else reading(d), *(f(tag, r) for f in (extra or {}).values()),
                      f"{cpu_per_round(r.values()):.3g}",
                      f"{statistics.fmean(run['stats']['cpu_s'] for run in r.values()):.0f}"])
     return md_table(header, rows), diffs
@@ -1097,20 +1099,26 @@ def untuned_reason(s: Setting, *tags: str) -> str:
 
 
 def verdict_rows(s: Setting, cells: dict[str, dict[int, Run]], diffs: dict[str, Interval], tags: Sequence[str]
-                 ) -> list[tuple[PaperClaim, Interval | None, str]]:
-    """(claim, our paired difference to FedAvg, 'FedAvg') for the rows ``tags`` that ran; a row
-    without its own claim takes the setting's ``baseline`` claim; a comparison with an untuned row, or with
-    a row that diverged on some seed, says so."""
-    out = []
+                 ) -> list[tuple[PaperClaim, Interval | None, str] | tuple[PaperClaim, Interval | None, str, str]]:
+    """(claim, our paired difference to FedAvg, 'FedAvg'[, the ours cell]) for the rows ``tags`` that ran; a
+    row without its own claim takes the setting's ``baseline`` claim; a comparison with an untuned row, or with
+    a row that diverged on some seed, says so. A row every seed of which diverged has no difference, and
+    keeps its verdict row, saying so in the ours cell, rather than drop out of the table."""
+    out: list[tuple[PaperClaim, Interval | None, str] | tuple[PaperClaim, Interval | None, str, str]] = []
     for tag in tags:
         row = s.row(tag)
-        if row is None or (tag != "fedavg" and tag not in diffs):
+        lost = diverged_seeds(s, cells, tag)
+        if row is None or (tag != "fedavg" and tag not in diffs and not lost):
             continue
         claim = s.paper.get(tag) or s.paper["baseline"]
-        out.append((replace(claim, algorithm=f"{claim.algorithm or row.label} ({s.name})",
-                            untuned=untuned_reason(s, tag, "fedavg"),
-                            diverged=diverged_reason(s, cells, tag, "fedavg")),
-                    None if tag == "fedavg" else diffs[tag], "FedAvg"))
+        claim = replace(claim, algorithm=f"{claim.algorithm or row.label} ({s.name})",
+                        untuned=untuned_reason(s, tag, "fedavg"), diverged=diverged_reason(s, cells, tag, "fedavg"))
+        if tag == "fedavg":
+            out.append((claim, None, "FedAvg"))
+        elif tag in diffs:
+            out.append((claim, diffs[tag], "FedAvg"))
+        else:
+            out.append((claim, None, "FedAvg", f"none: diverged on {len(lost)} of {len(lost)} seeds that ran"))
     return out
 
 

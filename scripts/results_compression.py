@@ -259,8 +259,8 @@ def time_to(run: rc.Run, target: float, k: int = rc.K_LAST) -> float | None:
     return None
 
 
-def _mean_cell(fn: Callable[[rc.Run], float], fmt: str) -> Callable[[dict[int, rc.Run]], str]:
-    def cell(runs: dict[int, rc.Run]) -> str:
+def _mean_cell(fn: Callable[[rc.Run], float], fmt: str) -> Callable[[str, dict[int, rc.Run]], str]:
+    def cell(_tag: str, runs: dict[int, rc.Run]) -> str:
         return fmt.format(statistics.fmean(fn(r) for r in runs.values()))
     return cell
 

@@ -243,7 +243,7 @@ def settings_of(budget: str, preset: str) -> list[Setting]:
     return gpu_settings() if preset == "gpu" else cpu_settings(budget, horizon=preset == "long")
 
 
-def _predshift(runs: dict[int, rc.Run]) -> str:
+def _predshift(_tag: str, runs: dict[int, rc.Run]) -> str:
     vals = [rc.final_accuracy(r, "test_accuracy_predshift") for r in runs.values()
             if any("test_accuracy_predshift" in row for row in r["rows"])]
     return rc.fmt_mean(rc.interval(vals)) if vals else "-"
@@ -271,7 +271,7 @@ def ablation_table(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> str:
 def _upload_ratio(fedavg: dict[int, rc.Run]):
     """A row's mean uploaded bytes per run over FedAvg's on the same seeds: what a method's gain costs in
     communication (FedImpro uploads its feature statistics, SCAFFOLD its control variates)."""
-    def cell(runs: dict[int, rc.Run]) -> str:
+    def cell(_tag: str, runs: dict[int, rc.Run]) -> str:
         seeds = sorted(set(runs) & set(fedavg))
         if not seeds:
             return "-"

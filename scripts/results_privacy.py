@@ -102,24 +102,24 @@ def _last(runs: dict[int, rc.Run], key: str) -> list[float]:
 
 
 def _mean_of(key: str, digits: int = 3):
-    def cell(runs: dict[int, rc.Run]) -> str:
+    def cell(_tag: str, runs: dict[int, rc.Run]) -> str:
         values = _last(runs, key)
         return f"{statistics.fmean(values):.{digits}g}" if values else "-"
     return cell
 
 
-def _epsilon(runs: dict[int, rc.Run]) -> str:
+def _epsilon(tag: str, runs: dict[int, rc.Run]) -> str:
     """The epsilon the runs' accountant logged after their last round (inf without noise: JSON has no inf)."""
     if any(run["summary"].get("dp_noise_multiplier") == 0 for run in runs.values()):
         return "inf"
-    return _mean_of("dp_epsilon")(runs)
+    return _mean_of("dp_epsilon")(tag, runs)
 
 
-def _noise_multiplier(runs: dict[int, rc.Run]) -> str:
+def _noise_multiplier(tag: str, runs: dict[int, rc.Run]) -> str:
     """The update's noise multiplier the runs used: with adaptive clipping part of the budget goes to the
     clipped-count query, so the update's (``dp_update_noise_multiplier``) is above the accountant's z."""
     key = "dp_update_noise_multiplier" if _last(runs, "dp_update_noise_multiplier") else "dp_noise_multiplier"
-    return _mean_of(key, 4)(runs)
+    return _mean_of(key, 4)(tag, runs)
 
 
 def _minus_clip_only(s: rc.Setting, cells: dict[str, dict[int, rc.Run]]):
@@ -128,9 +128,7 @@ def _minus_clip_only(s: rc.Setting, cells: dict[str, dict[int, rc.Run]]):
     difference mixes sampling into the noise's cost."""
     runs = rc.setting_runs(s, cells)
 
-    def cell(r: dict[int, rc.Run]) -> str:
-        # the row whose runs these are (the same run objects: setting_runs builds new dicts on each call)
-        tag = next((t for t, v in runs.items() if v.keys() == r.keys() and all(v[k] is r[k] for k in v)), "")
+    def cell(tag: str, r: dict[int, rc.Run]) -> str:
         mode = tag.split("_")[0]
         null = runs.get(tag_of(mode, math.inf)) if mode in MODES else None
         if not null or tag == tag_of(mode, math.inf):
@@ -140,7 +138,7 @@ def _minus_clip_only(s: rc.Setting, cells: dict[str, dict[int, rc.Run]]):
     return cell
 
 
-def _clipped(runs: dict[int, rc.Run]) -> str:
+def _clipped(_tag: str, runs: dict[int, rc.Run]) -> str:
     values = [row["dp_clipped_fraction"] for run in runs.values() for row in run["rows"] if "dp_clipped_fraction" in row]
     return f"{statistics.fmean(values):.2f}" if values else "-"
 

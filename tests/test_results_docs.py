@@ -13,6 +13,7 @@ import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from omegaconf import OmegaConf
@@ -564,14 +565,23 @@ def test_a_diverged_run_is_recorded_any_other_failure_fails(tmp_path):
         rc.run_job(rc.Job("d/fedavg", 1, ["x=1"]), tmp_path / "runs", tmp_path / "art", code)
 
 
-def test_a_rows_diverged_seed_is_named_never_averaged_and_its_verdicts_are_untested():
+def _ten_seed_setting() -> rc.Setting:
+    """_tuned_setting with a claim per row and seeds 0-9 for every row."""
     s = _tuned_setting()
     s.paper = {"baseline": rc.PaperClaim("X", "setting", None, None, ""), "fedprox": rc.PaperClaim("P", "s", None, 1, "")}
-    seeds = list(range(10))
     for row in s.rows:
-        row.seeds = seeds
-    run = lambda acc, **stats: {"name": "r", "rows": [{"round": r, "test_accuracy": acc} for r in range(1, 6)],  # noqa: E731
-                                "stats": {"cpu_s": 1.0, "row_cpu_s": [0.2, 0.4, 0.6, 0.8, 1.0], **stats}}
+        row.seeds = list(range(10))
+    return s
+
+
+def _five_rounds(acc: float, **stats: Any) -> rc.Run:
+    """A run at accuracy ``acc`` in each of 5 rounds; ``stats`` e.g. diverged=... as run_job records it."""
+    return {"name": "r", "rows": [{"round": r, "test_accuracy": acc} for r in range(1, 6)],
+            "stats": {"cpu_s": 1.0, "row_cpu_s": [0.2, 0.4, 0.6, 0.8, 1.0], **stats}}
+
+
+def test_a_rows_diverged_seed_is_named_never_averaged_and_its_verdicts_are_untested():
+    s, seeds, run = _ten_seed_setting(), list(range(10)), _five_rounds
     cells = {"d/fedavg": {k: run(0.5 + 0.01 * k) for k in seeds},
              "d/fedprox": {k: run(0.6 + 0.01 * k) for k in seeds}}
     cells["d/fedprox"][7] = run(0.01, diverged="NonFiniteError: client 3 in round 9: the training loss became nan")
@@ -593,6 +603,27 @@ def test_a_rows_diverged_seed_is_named_never_averaged_and_its_verdicts_are_untes
         "untested", "FedProx diverged on 1 of 10 seeds (training became non-finite at the chosen values); a verdict "
                     "needs every seed to finish")
 
+
+
+def test_a_row_whose_every_seed_diverged_keeps_an_untested_verdict_row_and_not_comparable_names_divergence():
+    s, seeds, run = _ten_seed_setting(), list(range(10)), _five_rounds
+    cells = {"d/fedavg": {k: run(0.5 + 0.01 * k) for k in seeds},
+             "d/fedprox": {k: run(0.01, diverged=f"NonFiniteError: round {20 + k}") for k in seeds}}
+    table, diffs = rc.main_table(s, cells, ["fedavg", "fedprox"])
+    assert "fedprox" not in diffs  # no seed finished: no difference to pair, and no main-table row
+    assert [r[0] for r in _tables(table)[0][1]] == ["FedAvg"]
+    rows = rc.verdict_rows(s, cells, diffs, ["fedavg", "fedprox"])
+    assert [r[0].algorithm for r in rows] == ["X (d)", "P (d)"]  # the row stays in the verdict table
+    claim, iv, null, cell = rows[1]
+    assert iv is None and null == "FedAvg" and cell == "none: diverged on 10 of 10 seeds that ran"
+    (header, lines), = _tables(rc.verdict_table(rows))
+    line = lines[1]
+    assert line[header.index("ours (paired, 95% CI)")] == cell and line[header.index("verdict")] == "**untested**"
+    assert "FedProx diverged on 10 of 10 seeds" in line[header.index("reason")]
+    # a claim without a paper number is "not comparable" whatever ran, and its reason still names the divergence
+    v, why = rc.verdict(replace(claim, direction=None, number=None), None, null)
+    assert v == "not comparable" and why.startswith("no paper number in the specs; ")
+    assert "FedProx diverged on 10 of 10 seeds (training became non-finite" in why
 
 def test_a_tuned_row_waits_for_every_tuning_run_and_an_artefact_made_otherwise_is_replaced():
     s = _tuned_setting()
