@@ -23,10 +23,13 @@ scripts/results_common.py and docs/results/README.md.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -71,6 +74,7 @@ TINY = Budget(1, 2, 2, 3, 8, {"feddf": ["algorithm.steps=20", "algorithm.eval_ev
 
 def rows_of(b: Budget, seeds5: list[int], seeds10: list[int]) -> list[Row]:
     cal = ["rounds=2", "algorithm.calibrate=true", *b.extra.get("cal", [])]
+    card = rc.resolved(b.feddf_card)
     fusefl = b.extra.get("fusefl", [])
     return [
         Row("fedavg", "One-shot FedAvg (the ensemble and the clients' own accuracies from the same runs)", "fedavg", [],
@@ -108,11 +112,11 @@ def rows_of(b: Budget, seeds5: list[int], seeds10: list[int]) -> list[Row]:
         Row("coboost_w", f"Co-Boosting, generator width ngf {b.ngf2}", "coboost", [f"algorithm.ngf={b.ngf2}"], seeds5,
             priority=4),
         # the cards' server-side budgets (issue 28 item 4), 10 seeds: the verdicts at the paper's budget rest on them
-        Row("feddf_card", "FedDF (held-out), the card's distillation (10,000 steps, early stop after 1,000)", "feddf",
-            b.feddf_card, seeds10, priority=5),
-        Row("dense_card", f"DENSE, the card's {b.gen_card} generator epochs", "dense", [f"algorithm.epochs={b.gen_card}"],
-            seeds10, priority=5),
-        Row("coboost_card", f"Co-Boosting, the card's {b.gen_card} generator epochs", "coboost",
+        Row("feddf_card", f"FedDF (held-out), {at_card(int(card['algorithm.steps']), CARD_STEPS)} distillation steps, "
+            f"early stop after {int(card['algorithm.patience']):,}", "feddf", b.feddf_card, seeds10, priority=5),
+        Row("dense_card", f"DENSE, {at_card(b.gen_card, CARD_GEN)} generator epochs", "dense",
+            [f"algorithm.epochs={b.gen_card}"], seeds10, priority=5),
+        Row("coboost_card", f"Co-Boosting, {at_card(b.gen_card, CARD_GEN)} generator epochs", "coboost",
             [f"algorithm.epochs={b.gen_card}"], seeds10, priority=5),
         Row("adi_card", f"Fed-ADI, {b.gen_card} epochs (DENSE's baseline at DENSE's card budget)", "adi",
             [f"algorithm.epochs={b.gen_card}"], seeds10, priority=6),
@@ -129,7 +133,7 @@ def cpu_settings(budget: str) -> list[Setting]:
             algs[name] = [*algs[name], *extra]
     overrides = ["+experiment=oneshot_fmnist", "dataset=fashion_mnist", "num_clients=5", "partition.alpha=0.5",
                  *(["train.epochs=1"] if tiny else [])]
-    return [Setting("alpha05", "Fashion-MNIST, 5 clients, Dirichlet(0.5), BatchNorm CNN, 4 local epochs", overrides, 1,
+    return [Setting("alpha05", f"Fashion-MNIST, 5 clients, Dirichlet(0.5), BatchNorm CNN, {b.epochs} local epochs", overrides, 1,
                     rows_of(b, seeds5, seeds10), algs)]
 
 
@@ -176,56 +180,110 @@ class Measure:
     key: str = "test_accuracy"
 
 
-MEASURES = [
-    Measure("clients", "Clients' own models (mean of the 5)", "fedavg", "client_test_accuracy_mean"),
-    Measure("fedavg", "One-shot FedAvg", "fedavg"),
-    Measure("fedavg_cal", "One-shot FedAvg + FuseFL's calibration", "fedavg_cal"),
-    Measure("ensemble", "Ensemble (5 models)", "fedavg", "ensemble_test_accuracy"),
-    Measure("ensemble_cal", "Ensemble + FuseFL's calibration", "ensemble_cal"),
-    Measure("feddf", "FedDF, held-out Fashion-MNIST", "feddf"),
-    Measure("feddf_ood", "FedDF, FEMNIST (out of domain)", "feddf_ood"),
-    Measure("dense", "DENSE", "dense"),
-    Measure("coboost", "Co-Boosting", "coboost"),
-    Measure("adi", "Fed-ADI", "adi"),
-    Measure("coboost_weighted", "Co-Boosting's reweighted ensemble (its teacher)", "coboost",
-            "weighted_ensemble_test_accuracy"),
-    Measure("feddf_card", "FedDF, held-out Fashion-MNIST, the card's 10,000 steps", "feddf_card"),
-    Measure("dense_card", "DENSE, the card's 200 generator epochs", "dense_card"),
-    Measure("coboost_card", "Co-Boosting, the card's 200 generator epochs", "coboost_card"),
-    Measure("adi_card", "Fed-ADI, 200 epochs", "adi_card"),
-    Measure("coboost_weighted_card", "Co-Boosting's reweighted ensemble, 200 generator epochs", "coboost_card",
-            "weighted_ensemble_test_accuracy"),
-    Measure("fusefl_k2", "FuseFL K=2", "fusefl_k2"),
-    Measure("fusefl_k2_uncal", "FuseFL K=2 before its calibration", "fusefl_k2", "uncalibrated_test_accuracy"),
-    Measure("fusefl_k4", "FuseFL K=4", "fusefl_k4"),
-    Measure("fusefl_k4_uncal", "FuseFL K=4 before its calibration", "fusefl_k4", "uncalibrated_test_accuracy"),
-    Measure("fedavg_multi", "Multi-round FedAvg, same local epochs", "fedavg_multi"),
-    Measure("noise_fedavg", "One-shot FedAvg, other minibatch orders (noise floor)", "fedavg_shuffle"),
-    Measure("noise_ensemble", "Ensemble, other minibatch orders (noise floor)", "fedavg_shuffle", "ensemble_test_accuracy"),
-]
-BY_NAME = {m.name: m for m in MEASURES}
-BUDGET = [  # (method, measure at the main budget, measure at the larger budget, what grows)
-    ("One-shot FedAvg", BY_NAME["fedavg"], Measure("fedavg_e2", "", "fedavg_e2"), "local epochs"),
-    ("Ensemble", BY_NAME["ensemble"], Measure("ensemble_e2", "", "fedavg_e2", "ensemble_test_accuracy"), "local epochs"),
-    ("FedDF (held-out)", BY_NAME["feddf"], Measure("feddf_e2", "", "feddf_e2"), "local epochs"),
-    ("FuseFL K=2", BY_NAME["fusefl_k2"], Measure("fusefl_k2_e2", "", "fusefl_k2_e2"), "local epochs per block"),
-    ("Multi-round FedAvg", BY_NAME["fedavg_multi"], Measure("fedavg_multi_e2", "", "fedavg_multi_e2"),
-     "rounds of 1 local epoch"),
-    ("DENSE", BY_NAME["dense"], Measure("dense_g2", "DENSE, twice the generator epochs", "dense_g2"), "generator epochs"),
-    ("Co-Boosting", BY_NAME["coboost"], Measure("coboost_g2", "Co-Boosting, twice the generator epochs", "coboost_g2"),
-     "generator epochs"),
-    ("DENSE (width)", BY_NAME["dense"], Measure("dense_w", "DENSE, the card's generator width", "dense_w"),
-     "generator width (ngf 16 -> 64)"),
-    ("Co-Boosting (width)", BY_NAME["coboost"], Measure("coboost_w", "Co-Boosting, the card's generator width",
-                                                        "coboost_w"), "generator width (ngf 16 -> 64)"),
-    ("FedDF (the card's steps)", BY_NAME["feddf"], BY_NAME["feddf_card"], "distillation steps (500 -> the card's 10,000)"),
-    ("DENSE (the card's epochs)", BY_NAME["dense"], BY_NAME["dense_card"], "generator epochs (20 -> the card's 200)"),
-    ("Co-Boosting (the card's epochs)", BY_NAME["coboost"], BY_NAME["coboost_card"],
-     "generator epochs (20 -> the card's 200)"),
-    ("Fed-ADI (200 epochs)", BY_NAME["adi"], BY_NAME["adi_card"], "epochs (20 -> 200)"),
-]
-# The generator methods' larger budgets, compared below (by what grows, not by position in BUDGET).
-BY_NAME.update({m.name: m for _, _, m, what in BUDGET if what.startswith("generator")})
+def setting_value(s: Setting, tag: str, key: str) -> int | None:
+    """The number row ``tag`` of ``s`` runs with for ``key`` (None: ``s`` has no such row): its overrides, else
+    its experiment preset's. Labels, the budget curve and the claims quote it, so a tiny check or a GPU preset
+    never quotes another budget's numbers."""
+    row = s.row(tag)
+    if row is None:
+        return None
+    over = rc.resolved(s.overrides_of(row))
+    if key not in over and "+experiment" in over:  # a CPU setting: its experiment preset's keys come next
+        with contextlib.suppress(KeyError):
+            return int(float(rc.preset_value(over["+experiment"], key)))
+    if key not in over:  # then the algorithm's own defaults (a GPU row's overrides hold its preset's keys)
+        conf = yaml.safe_load((REPO / "conf" / "algorithm" / f"{over['algorithm']}.yaml").read_text())
+        return int(float(conf[key.removeprefix("algorithm.")]))
+    return int(float(over[key]))
+
+
+def at_card(ours: int | None, card: int) -> str:
+    """``ours`` beside the card's value: "the card's 200" when they agree, "20 (card 200)" when not."""
+    if ours is None:
+        return f"no such row (card {card:,})"
+    return f"the card's {card:,}" if ours == card else f"{ours:,} (card {card:,})"
+
+
+CARD_STEPS, CARD_GEN, CARD_NGF, DI_PAPER = 10_000, 200, 64, 2_000  # FedDF's steps, the generators' epochs and width, DeepInversion's steps
+
+
+def measures(s: Setting) -> dict[str, Measure]:
+    """name -> the models ``s``'s runs report, in table order (every name, whether or not ``s`` has its row)."""
+    v = lambda tag, key: setting_value(s, tag, key)  # noqa: E731
+    feddf = s.row("feddf").label if s.row("feddf") else "FedDF"
+    ood = s.row("feddf_ood").label if s.row("feddf_ood") else "FedDF (out of domain)"
+    out = [
+        Measure("clients", f"Clients' own models (mean of the {CLIENTS})", "fedavg", "client_test_accuracy_mean"),
+        Measure("fedavg", "One-shot FedAvg", "fedavg"),
+        Measure("fedavg_cal", "One-shot FedAvg + FuseFL's calibration", "fedavg_cal"),
+        Measure("ensemble", f"Ensemble ({CLIENTS} models)", "fedavg", "ensemble_test_accuracy"),
+        Measure("ensemble_cal", "Ensemble + FuseFL's calibration", "ensemble_cal"),
+        Measure("feddf", feddf, "feddf"),
+        Measure("feddf_ood", ood, "feddf_ood"),
+        Measure("dense", "DENSE", "dense"),
+        Measure("coboost", "Co-Boosting", "coboost"),
+        Measure("adi", "Fed-ADI", "adi"),
+        Measure("coboost_weighted", "Co-Boosting's reweighted ensemble (its teacher)", "coboost",
+                "weighted_ensemble_test_accuracy"),
+        Measure("feddf_card", f"{feddf}, {at_card(v('feddf_card', 'algorithm.steps'), CARD_STEPS)} steps", "feddf_card"),
+        Measure("dense_card", f"DENSE, {at_card(v('dense_card', 'algorithm.epochs'), CARD_GEN)} generator epochs",
+                "dense_card"),
+        Measure("coboost_card", f"Co-Boosting, {at_card(v('coboost_card', 'algorithm.epochs'), CARD_GEN)} generator "
+                "epochs", "coboost_card"),
+        Measure("adi_card", f"Fed-ADI, {v('adi_card', 'algorithm.epochs')} epochs", "adi_card"),
+        Measure("coboost_weighted_card", f"Co-Boosting's reweighted ensemble, {v('coboost_card', 'algorithm.epochs')} "
+                "generator epochs", "coboost_card", "weighted_ensemble_test_accuracy"),
+        Measure("fusefl_k2", "FuseFL K=2", "fusefl_k2"),
+        Measure("fusefl_k2_uncal", "FuseFL K=2 before its calibration", "fusefl_k2", "uncalibrated_test_accuracy"),
+        Measure("fusefl_k4", "FuseFL K=4", "fusefl_k4"),
+        Measure("fusefl_k4_uncal", "FuseFL K=4 before its calibration", "fusefl_k4", "uncalibrated_test_accuracy"),
+        Measure("fedavg_multi", "Multi-round FedAvg, same local epochs", "fedavg_multi"),
+        Measure("noise_fedavg", "One-shot FedAvg, other minibatch orders (noise floor)", "fedavg_shuffle"),
+        Measure("noise_ensemble", "Ensemble, other minibatch orders (noise floor)", "fedavg_shuffle",
+                "ensemble_test_accuracy"),
+        # the budget curve's larger budgets (compared below as well)
+        Measure("fedavg_e2", "", "fedavg_e2"), Measure("ensemble_e2", "", "fedavg_e2", "ensemble_test_accuracy"),
+        Measure("feddf_e2", "", "feddf_e2"), Measure("fusefl_k2_e2", "", "fusefl_k2_e2"),
+        Measure("fedavg_multi_e2", "", "fedavg_multi_e2"),
+        Measure("dense_g2", "DENSE, twice the generator epochs", "dense_g2"),
+        Measure("coboost_g2", "Co-Boosting, twice the generator epochs", "coboost_g2"),
+        Measure("dense_w", f"DENSE, generator width ngf {v('dense_w', 'algorithm.ngf')}", "dense_w"),
+        Measure("coboost_w", f"Co-Boosting, generator width ngf {v('coboost_w', 'algorithm.ngf')}", "coboost_w"),
+    ]
+    return {m.name: m for m in out}
+
+
+# The accuracy table's and its plot's models: every measure but the budget curve's larger budgets.
+LARGER = ("fedavg_e2", "ensemble_e2", "feddf_e2", "fusefl_k2_e2", "fedavg_multi_e2", "dense_g2", "coboost_g2",
+          "dense_w", "coboost_w")
+
+
+def budget_pairs(s: Setting) -> list[tuple[str, str, str, str]]:
+    """(method, measure at the main budget, measure at the larger budget, what grows), numbers as the rows ran."""
+    v = lambda tag, key: setting_value(s, tag, key)  # noqa: E731
+    gen = lambda tag: v(tag, "algorithm.epochs")  # noqa: E731
+    return [
+        ("One-shot FedAvg", "fedavg", "fedavg_e2", "local epochs"),
+        ("Ensemble", "ensemble", "ensemble_e2", "local epochs"),
+        ("FedDF (held-out)", "feddf", "feddf_e2", "local epochs"),
+        ("FuseFL K=2", "fusefl_k2", "fusefl_k2_e2", "local epochs per block"),
+        ("Multi-round FedAvg", "fedavg_multi", "fedavg_multi_e2", "rounds of 1 local epoch"),
+        ("DENSE", "dense", "dense_g2", "generator epochs"),
+        ("Co-Boosting", "coboost", "coboost_g2", "generator epochs"),
+        ("DENSE (width)", "dense", "dense_w",
+         f"generator width (ngf {v('dense', 'algorithm.ngf')} -> {at_card(v('dense_w', 'algorithm.ngf'), CARD_NGF)})"),
+        ("Co-Boosting (width)", "coboost", "coboost_w",
+         f"generator width (ngf {v('coboost', 'algorithm.ngf')} -> {at_card(v('coboost_w', 'algorithm.ngf'), CARD_NGF)})"),
+        ("FedDF (the card's budget row)", "feddf", "feddf_card", f"distillation steps ({v('feddf', 'algorithm.steps')} -> "
+         f"{at_card(v('feddf_card', 'algorithm.steps'), CARD_STEPS)})"),
+        ("DENSE (the card's budget row)", "dense", "dense_card",
+         f"generator epochs ({gen('dense')} -> {at_card(gen('dense_card'), CARD_GEN)})"),
+        ("Co-Boosting (the card's budget row)", "coboost", "coboost_card",
+         f"generator epochs ({gen('coboost')} -> {at_card(gen('coboost_card'), CARD_GEN)})"),
+        ("Fed-ADI (DENSE's card budget row)", "adi", "adi_card", f"epochs ({gen('adi')} -> {gen('adi_card')})"),
+    ]
+
+
 # (measure, against, what the comparison tests)
 COMPARISONS = [
     ("noise_fedavg", "fedavg", "noise floor: shuffling alone, one-shot FedAvg"),
@@ -252,14 +310,14 @@ COMPARISONS = [
     ("coboost_weighted", "ensemble", "Co-Boosting's reweighted ensemble vs the plain ensemble"),
     ("dense_g2", "fedavg", "DENSE at twice the generator budget vs one-shot FedAvg"),
     ("coboost_g2", "fedavg", "Co-Boosting at twice the generator budget vs one-shot FedAvg"),
-    ("dense_w", "fedavg", "DENSE at the card's generator width vs one-shot FedAvg"),
-    ("coboost_w", "fedavg", "Co-Boosting at the card's generator width vs one-shot FedAvg"),
-    ("feddf_card", "fedavg", "FedDF at the card's distillation budget vs one-shot FedAvg"),
-    ("dense_card", "fedavg", "DENSE at the card's generator budget vs one-shot FedAvg"),
-    ("coboost_card", "fedavg", "Co-Boosting at the card's generator budget vs one-shot FedAvg"),
-    ("coboost_card", "dense_card", "Co-Boosting vs DENSE, both at the card's generator budget"),
-    ("dense_card", "adi_card", "DENSE vs Fed-ADI, both at DENSE's card budget"),
-    ("coboost_weighted_card", "ensemble", "Co-Boosting's reweighted ensemble vs the plain ensemble, card budget"),
+    ("dense_w", "fedavg", "DENSE with the wider generator vs one-shot FedAvg"),
+    ("coboost_w", "fedavg", "Co-Boosting with the wider generator vs one-shot FedAvg"),
+    ("feddf_card", "fedavg", "FedDF, the card-budget row, vs one-shot FedAvg"),
+    ("dense_card", "fedavg", "DENSE, the card-budget row, vs one-shot FedAvg"),
+    ("coboost_card", "fedavg", "Co-Boosting, the card-budget row, vs one-shot FedAvg"),
+    ("coboost_card", "dense_card", "Co-Boosting vs DENSE, both the card-budget rows"),
+    ("dense_card", "adi_card", "DENSE vs Fed-ADI, both the card-budget rows"),
+    ("coboost_weighted_card", "ensemble", "Co-Boosting's reweighted ensemble vs the plain ensemble, the card-budget row"),
 ]
 
 
@@ -274,11 +332,12 @@ def values(cells: dict[str, dict[int, rc.Run]], s: Setting, m: Measure) -> dict[
 
 
 def accuracy_table(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> str:
-    fedavg, ensemble = values(cells, s, BY_NAME["fedavg"]), values(cells, s, BY_NAME["ensemble"])
+    ms = measures(s)
+    fedavg, ensemble = values(cells, s, ms["fedavg"]), values(cells, s, ms["ensemble"])
     header = ["model", "seeds", "test accuracy (mean ± 95% CI)", "minus one-shot FedAvg (paired, 95% CI)", "reading",
               "minus the ensemble (paired, 95% CI)", "reading "]
     rows = []
-    for m in MEASURES:
+    for m in (m for m in ms.values() if m.name not in LARGER):
         v = values(cells, s, m)
         if not v:
             continue
@@ -291,14 +350,14 @@ def accuracy_table(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> str:
 
 def comparison_table(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> tuple[str, dict[tuple[str, str], rc.Interval]]:
     header = ["comparison", "what it tests", "seeds", "difference (paired, 95% CI)", "p", "reading"]
-    rows, out = [], {}
+    rows, out, ms = [], {}, measures(s)
     for a, b, what in COMPARISONS:
-        va, vb = values(cells, s, BY_NAME[a]), values(cells, s, BY_NAME[b])
+        va, vb = values(cells, s, ms[a]), values(cells, s, ms[b])
         d = rc.paired(va, vb)
         if d.n == 0:
             continue
         out[(a, b)] = d
-        rows.append([f"{BY_NAME[a].label} minus {BY_NAME[b].label}", what, str(d.n), rc.fmt_diff(d), rc.fmt_p(d),
+        rows.append([f"{ms[a].label} minus {ms[b].label}", what, str(d.n), rc.fmt_diff(d), rc.fmt_p(d),
                      rc.reading(d)])
     return rc.md_table(header, rows), out
 
@@ -332,8 +391,9 @@ def budget_section(s: Setting, cells: dict[str, dict[int, rc.Run]], plots: Path 
     header = ["method", "what grows", "seeds", "main budget", "larger budget", "larger minus main (paired, 95% CI)",
               "reading"]
     rows, curves = [], {}
-    for method, m1, m2, what in BUDGET:
-        v1, v2 = values(cells, s, m1), values(cells, s, m2)
+    ms = measures(s)
+    for method, m1, m2, what in budget_pairs(s):
+        v1, v2 = values(cells, s, ms[m1]), values(cells, s, ms[m2])
         if not v2:
             continue
         v1 = {k: v for k, v in v1.items() if k in v2}
@@ -345,12 +405,17 @@ def budget_section(s: Setting, cells: dict[str, dict[int, rc.Run]], plots: Path 
         return ""
     if plots is not None:
         plot_budget(curves, plots / name)
-    return ("### Budget curve\n\nEach method at its main budget and at a larger one (twice the local epochs, 4 -> 8: "
-            "the clients' models, FedDF's teachers, FuseFL's 2 -> 4 epochs per block, multi-round FedAvg's rounds; "
-            "DENSE and Co-Boosting, on the main client models: twice the generator epochs, 20 -> 40, and the card's "
-            "generator width, ngf 16 -> 64 at 20 epochs; the cards' server-side budgets on the main client models: "
-            "FedDF's 10,000 distillation steps, DENSE's and Co-Boosting's 200 generator epochs, and Fed-ADI at the "
-            "same 200), paired by seed over the seeds both budgets ran.\n\n"
+    v = lambda tag, key: setting_value(s, tag, key)  # noqa: E731
+    return ("### Budget curve\n\nEach method at its main budget and at a larger one (twice the local epochs, "
+            f"{v('fedavg', 'train.epochs')} -> {v('fedavg_e2', 'train.epochs')}: the clients' models, FedDF's teachers, "
+            f"FuseFL's {v('fusefl_k2', 'algorithm.local_epochs')} -> {v('fusefl_k2_e2', 'algorithm.local_epochs')} "
+            "epochs per block, multi-round FedAvg's rounds; DENSE and Co-Boosting, on the main client models: twice "
+            f"the generator epochs, {v('dense', 'algorithm.epochs')} -> {v('dense_g2', 'algorithm.epochs')}, and a "
+            f"wider generator, ngf {v('dense', 'algorithm.ngf')} -> {at_card(v('dense_w', 'algorithm.ngf'), CARD_NGF)} "
+            f"at {v('dense_w', 'algorithm.epochs')} epochs; the card-budget rows on the main client models: FedDF's "
+            f"{at_card(v('feddf_card', 'algorithm.steps'), CARD_STEPS)} distillation steps, DENSE's and Co-Boosting's "
+            f"{at_card(v('dense_card', 'algorithm.epochs'), CARD_GEN)} generator epochs, and Fed-ADI at the same "
+            f"{v('adi_card', 'algorithm.epochs')}), paired by seed over the seeds both budgets ran.\n\n"
             + rc.md_table(header, rows) + f"\n![budget curve]({name})\n")
 
 
@@ -380,7 +445,7 @@ def plot_accuracies(s: Setting, cells: dict[str, dict[int, rc.Run]], path: Path)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [(m, rc.interval(list(values(cells, s, m).values()))) for m in MEASURES]
+    shown = [(m, rc.interval(list(values(cells, s, m).values()))) for m in measures(s).values() if m.name not in LARGER]
     shown = [(m, iv) for m, iv in shown if iv.n]
     fig, ax = plt.subplots(figsize=(7, 0.35 * len(shown) + 1.2))
     ys = list(range(len(shown)))[::-1]
@@ -395,75 +460,98 @@ def plot_accuracies(s: Setting, cells: dict[str, dict[int, rc.Run]], path: Path)
 # ----------------------------------------------------------------------------- verdicts
 
 SPEC = "specs/oneshot.md"
-OURS = ("Fashion-MNIST, a 25k-parameter BatchNorm CNN, 5 clients, Dirichlet(0.5), 4 local epochs (the papers: CIFAR-10, "
-        "ResNet-18 or a CNN, 100-400 local epochs)")
-CLAIMS = [  # (measure, against, claim)
-    ("ensemble", "fedavg", rc.PaperClaim(
-        "Ensemble vs one-shot FedAvg", "CIFAR-10, 5 clients, Dir(0.5), seed 1, CNN (DENSE README)",
-        "71.81 vs 30.93 % (+40.9 points)", 1, OURS, SPEC)),
-    ("feddf", "fedavg", rc.PaperClaim(
-        "FedDF vs one-shot FedAvg", "the survey's expected order: one-shot FedAvg << FedDF <~ DENSE <~ Co-Boosting < "
-        "Ensemble", None, 1, f"{OURS}; FedDF distils 500 steps (card 10,000) on held-out Fashion-MNIST", SPEC,
-        budget=500 / 10_000)),
-    ("feddf_ood", "fedavg", rc.PaperClaim(
-        "FedDF (out of domain) vs one-shot FedAvg", "FedDF distils CIFAR-10 ensembles on CIFAR-100 / ImageNet", None, 1,
-        f"{OURS}; FEMNIST images as the out-of-domain set, 500 steps", SPEC, budget=500 / 10_000)),
-    ("dense", "fedavg", rc.PaperClaim(
-        "DENSE vs one-shot FedAvg", "the survey's expected order above (DENSE's own claim is over Fed-ADI: next row)",
-        None, 1, f"{OURS}; 20 generator epochs (card 200), ngf 16 (card 64)", SPEC, budget=20 / 200)),
-    ("dense", "adi", rc.PaperClaim(
-        "DENSE vs Fed-ADI", "CIFAR-10, 5 clients: DENSE over its best baseline, Fed-ADI (DENSE abstract)",
-        "+5.08 points", 1, f"{OURS}; 20 epochs for both (card 200); DENSE's generator ngf 16 (card 64); Fed-ADI 50 "
-        "DeepInversion steps per batch (DeepInversion: 2,000)", SPEC, budget=20 / 200)),
-    ("coboost", "dense", rc.PaperClaim(
-        "Co-Boosting vs DENSE", "expected order DENSE <~ Co-Boosting (Co-Boosting's CIFAR-10 tables not retrieved)",
-        None, 1, f"{OURS}; 20 generator epochs (card 200), ngf 16 (card 64)", SPEC, budget=20 / 200)),
-    ("coboost_weighted", "ensemble", rc.PaperClaim(
-        "Co-Boosting's ensemble reweighting vs the plain ensemble", "Co-Boosting (ICLR 2024): boosting the ensemble "
-        "improves the teacher", None, 1, f"{OURS}; weights learnt on the synthetic pool (20 generator epochs, "
-        "card 200)", SPEC, budget=20 / 200)),
-    ("fusefl_k2", "ensemble", rc.PaperClaim(
-        "FuseFL K=2 vs the ensemble", "CIFAR-10, Dirichlet(0.5), 5 clients, ResNet-18 (w 20 FuseFL, 64 baselines), "
-        "100 epochs per block: 'beats ensemble FL by a significant margin' (abstract; tables not retrieved)", None, 1,
-        f"{OURS}; CNN cut in 2 blocks of 2 local epochs; FuseFL takes 3 rounds and {CLIENTS}x more download",
-        "specs/fusefl.md")),
-    ("fusefl_k2", "ensemble_cal", rc.PaperClaim(
-        "FuseFL K=2 vs the ensemble given FuseFL's calibration", "as above (the paper's ensemble is not calibrated; "
-        "this is our fairness control)", None, 1, f"{OURS}; both calibrated in one more round", "specs/fusefl.md")),
-    # the same claims at the cards' server-side budgets (the rows above run at a tenth or less of them)
-    ("feddf_card", "fedavg", rc.PaperClaim(
-        "FedDF vs one-shot FedAvg", "the survey's expected order: one-shot FedAvg << FedDF <~ DENSE <~ Co-Boosting < "
-        "Ensemble", None, 1, f"{OURS}; the card's distillation: 10,000 steps, early stop after 1,000 on held-out "
-        "Fashion-MNIST", SPEC)),
-    ("dense_card", "fedavg", rc.PaperClaim(
-        "DENSE vs one-shot FedAvg", "the survey's expected order above (DENSE's own claim is over Fed-ADI: next row)",
-        None, 1, f"{OURS}; the card's 200 generator epochs, ngf 16 (card 64)", SPEC)),
-    ("dense_card", "adi_card", rc.PaperClaim(
-        "DENSE vs Fed-ADI", "CIFAR-10, 5 clients: DENSE over its best baseline, Fed-ADI (DENSE abstract)",
-        "+5.08 points", 1, f"{OURS}; 200 epochs for both (the card's); DENSE's generator ngf 16 (card 64); Fed-ADI 50 "
-        "DeepInversion steps per batch (DeepInversion: 2,000)", SPEC)),
-    ("coboost_card", "dense_card", rc.PaperClaim(
-        "Co-Boosting vs DENSE", "expected order DENSE <~ Co-Boosting (Co-Boosting's CIFAR-10 tables not retrieved)",
-        None, 1, f"{OURS}; the card's 200 generator epochs for both, ngf 16 (card 64)", SPEC)),
-    ("coboost_weighted_card", "ensemble", rc.PaperClaim(
-        "Co-Boosting's ensemble reweighting vs the plain ensemble", "Co-Boosting (ICLR 2024): boosting the ensemble "
-        "improves the teacher", None, 1, f"{OURS}; weights learnt on the synthetic pool of the card's 200 generator "
-        "epochs", SPEC)),
-    ("fusefl_k2", "fedavg", rc.PaperClaim(
-        "FuseFL K=2 vs one-shot FedAvg", "as above: 'beats existing one-shot FL'", None, 1, OURS, "specs/fusefl.md")),
-]
+
+
+def claims(s: Setting) -> list[tuple[str, str, rc.PaperClaim]]:
+    """(measure, against, the paper's claim) for ``s``; each claim's differences and budget quote what ``s``'s
+    rows ran (a claim run below a card's budget is 'untested' unless it reproduces)."""
+    v = lambda tag, key: setting_value(s, tag, key)  # noqa: E731
+    gen, steps = (lambda tag: v(tag, "algorithm.epochs")), (lambda tag: v(tag, "algorithm.steps"))
+    if s.preset is None:
+        ours = (f"Fashion-MNIST, a 25k-parameter BatchNorm CNN, {CLIENTS} clients, Dirichlet(0.5), "
+                f"{v('fedavg', 'train.epochs')} local epochs (the papers: CIFAR-10, ResNet-18 or a CNN, 100-400 local "
+                "epochs)")
+    else:
+        ours = f"{s.title}; the preset's differences from each card: docs/results/README.md"
+    order = ("the survey's expected order: one-shot FedAvg << FedDF <~ DENSE <~ Co-Boosting < Ensemble")
+
+    def feddf(tag: str, name: str, setting: str) -> rc.PaperClaim:
+        data = s.row("feddf" if tag == "feddf_card" else tag)  # the card-budget row distils on the held-out split
+        return rc.PaperClaim(name, setting, None, 1, f"{ours}; {data.label if data else tag}: "
+                             f"{at_card(steps(tag), CARD_STEPS)} distillation steps, early stop after "
+                             f"{v(tag, 'algorithm.patience') or 0:,}", SPEC,
+                             budget=min(1.0, (steps(tag) or 0) / CARD_STEPS))
+
+    def width(tag: str) -> str:
+        ngf = v(tag, "algorithm.ngf")
+        return f"ngf {ngf}" + ("" if ngf == CARD_NGF else f" (card {CARD_NGF})")
+
+    def generator(tag: str) -> str:
+        return f"{at_card(gen(tag), CARD_GEN)} generator epochs, {width(tag)}"
+
+    def dense(tag: str, adi: str) -> list[tuple[str, str, rc.PaperClaim]]:
+        budget = min(1.0, (gen(tag) or 0) / CARD_GEN)
+        m = "dense" if tag == "dense" else "dense_card"
+        return [
+            (m, "fedavg", rc.PaperClaim("DENSE vs one-shot FedAvg", "the survey's expected order above (DENSE's own "
+                                        "claim is over Fed-ADI: next row)", None, 1, f"{ours}; {generator(tag)}", SPEC,
+                                        budget=budget)),
+            (m, adi, rc.PaperClaim(
+                "DENSE vs Fed-ADI", "CIFAR-10, 5 clients: DENSE over its best baseline, Fed-ADI (DENSE abstract)",
+                "+5.08 points", 1, f"{ours}; {at_card(gen(tag), CARD_GEN)} epochs for both; DENSE's "
+                f"generator {width(tag)}; Fed-ADI {v(adi, 'algorithm.di_steps')} "
+                f"DeepInversion steps per batch (DeepInversion: {DI_PAPER:,})", SPEC, budget=budget))]
+
+    def coboost(tag: str, m: str, versus: str) -> list[tuple[str, str, rc.PaperClaim]]:
+        budget = min(1.0, (gen(tag) or 0) / CARD_GEN)
+        return [
+            (m, versus, rc.PaperClaim(
+                "Co-Boosting vs DENSE", "expected order DENSE <~ Co-Boosting (Co-Boosting's CIFAR-10 tables not "
+                "retrieved)", None, 1, f"{ours}; {generator(tag)} for both", SPEC, budget=budget)),
+            (f"coboost_weighted{m[len('coboost'):]}", "ensemble", rc.PaperClaim(
+                "Co-Boosting's ensemble reweighting vs the plain ensemble", "Co-Boosting (ICLR 2024): boosting the "
+                "ensemble improves the teacher", None, 1, f"{ours}; weights learnt on the synthetic pool of "
+                f"{at_card(gen(tag), CARD_GEN)} generator epochs", SPEC, budget=budget))]
+
+    fusefl = ("CIFAR-10, Dirichlet(0.5), 5 clients, ResNet-18 (w 20 FuseFL, 64 baselines), 100 epochs per block: "
+              "'beats ensemble FL by a significant margin' (abstract; tables not retrieved)")
+    return [
+        ("ensemble", "fedavg", rc.PaperClaim(
+            "Ensemble vs one-shot FedAvg", "CIFAR-10, 5 clients, Dir(0.5), seed 1, CNN (DENSE README)",
+            "71.81 vs 30.93 % (+40.9 points)", 1, ours, SPEC)),
+        ("feddf", "fedavg", feddf("feddf", "FedDF vs one-shot FedAvg", order)),
+        ("feddf_ood", "fedavg", feddf("feddf_ood", "FedDF (out of domain) vs one-shot FedAvg",
+                                      "FedDF distils CIFAR-10 ensembles on CIFAR-100 / ImageNet")),
+        *dense("dense", "adi"),
+        *coboost("coboost", "coboost", "dense"),
+        ("fusefl_k2", "ensemble", rc.PaperClaim(
+            "FuseFL K=2 vs the ensemble", fusefl, None, 1, f"{ours}; the model cut in 2 blocks of "
+            f"{v('fusefl_k2', 'algorithm.local_epochs')} local epochs; FuseFL takes 3 rounds and {CLIENTS}x more "
+            "download", "specs/fusefl.md")),
+        ("fusefl_k2", "ensemble_cal", rc.PaperClaim(
+            "FuseFL K=2 vs the ensemble given FuseFL's calibration", "as above (the paper's ensemble is not "
+            "calibrated; this is our fairness control)", None, 1, f"{ours}; both calibrated in one more round",
+            "specs/fusefl.md")),
+        # the same claims at the cards' server-side budgets (the rows above run at a tenth or less of them)
+        ("feddf_card", "fedavg", feddf("feddf_card", "FedDF vs one-shot FedAvg", order)),
+        *dense("dense_card", "adi_card"),
+        *coboost("coboost_card", "coboost_card", "dense_card"),
+        ("fusefl_k2", "fedavg", rc.PaperClaim(
+            "FuseFL K=2 vs one-shot FedAvg", "as above: 'beats existing one-shot FL'", None, 1, ours, "specs/fusefl.md")),
+    ]
 
 
 def verdicts(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> list[tuple]:
     """A verdict row per claim whose rows ran; a claim whose rows are planned but not run yet stays in the table
     as 'untested' (its 'ours' cell says so), so a missing baseline is visible, not silently dropped."""
     out: list[tuple] = []
-    for a, b, claim in CLAIMS:
-        d = rc.paired(values(cells, s, BY_NAME[a]), values(cells, s, BY_NAME[b]))
+    ms = measures(s)
+    for a, b, claim in claims(s):
+        d = rc.paired(values(cells, s, ms[a]), values(cells, s, ms[b]))
         if d.n:
-            out.append((claim, d, BY_NAME[b].label))
-        elif all(s.row(BY_NAME[m].tag) for m in (a, b)):
-            out.append((claim, None, BY_NAME[b].label, "not run yet (the setting's missing runs)"))
+            out.append((claim, d, ms[b].label))
+        elif all(s.row(ms[m].tag) for m in (a, b)):
+            out.append((claim, None, ms[b].label, "not run yet (the setting's missing runs)"))
     return out
 
 

@@ -723,3 +723,27 @@ def test_equal_compute_times_a_row_on_runs_of_fedavgs_sweeps():
     text = rc.equal_compute_table(s, cells, ["x", "y"])
     assert "| X | 2.00 (1 runs) | 4 |" in text
     assert "Left out, no run timed in those sweeps: Y." in text and "| Y |" not in text
+
+
+def test_oneshot_labels_budgets_and_claims_quote_what_the_rows_ran():
+    """A tiny check's document quotes its own budgets, never the full budget's (or the card's) as if run."""
+    os_ = importlib.import_module("results_oneshot")
+    for budget, gen, steps in (("full", "the card's 200", "the card's 10,000"), ("tiny", "4 (card 200)", "40 (card 10,000)")):
+        s = os_.cpu_settings(budget)[0]
+        ms = os_.measures(s)
+        assert ms["dense_card"].label == f"DENSE, {gen} generator epochs", budget
+        assert ms["feddf_card"].label.endswith(f", {steps} steps"), budget
+        assert s.row("dense_card").label == f"DENSE, {gen} generator epochs", budget
+        assert s.row("feddf_card").label.startswith(f"FedDF (held-out), {steps} distillation steps"), budget
+        what = {method: w for method, *_, w in os_.budget_pairs(s)}
+        assert what["DENSE (the card's budget row)"] == f"generator epochs ({20 if budget == 'full' else 2} -> {gen})"
+        claims = {(a, b): c for a, b, c in os_.claims(s)}
+        card = claims[("dense_card", "adi_card")]
+        assert f"; {gen} epochs for both;" in card.differences
+        # the card-budget rows' verdicts stand at the card's budget only when the rows ran it
+        assert card.budget == (1.0 if budget == "full" else 4 / 200)
+        assert claims[("feddf_card", "fedavg")].budget == (1.0 if budget == "full" else 40 / 10_000)
+        assert claims[("dense", "adi")].budget == (20 if budget == "full" else 2) / 200
+        local = 4 if budget == "full" else 1
+        assert f"Dirichlet(0.5), {local} local epochs (the papers" in claims[("ensemble", "fedavg")].differences
+        assert s.title.endswith(f"{local} local epochs")
