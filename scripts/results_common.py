@@ -975,7 +975,7 @@ def fednova_note(runs: dict[str, dict[int, Run]]) -> str:
             "here.\n\n")
 
 
-def _seed_list(seeds: Sequence[int]) -> str:
+def seed_list(seeds: Sequence[int]) -> str:
     """"seed 3", "seeds 0-9", "seeds 1, 4"."""
     run = len(seeds) > 1 and list(seeds) == list(range(seeds[0], seeds[-1] + 1))
     return (f"seeds {seeds[0]}-{seeds[-1]}" if run else ("seeds " if len(seeds) > 1 else "seed ")
@@ -990,10 +990,10 @@ def missing_runs(s: Setting, cells: dict[str, dict[int, Run]]) -> str:
         have = set(cells.get(f"{s.name}/{r.tag}", {}))
         todo = [k for k in r.seeds if k not in have]
         if todo:
-            out.append(f"{r.label} ({_seed_list(todo)})")
+            out.append(f"{r.label} ({seed_list(todo)})")
         if d := diverged_seeds(s, cells, r.tag):
             first = cells[f"{s.name}/{r.tag}"][d[0]]["stats"]["diverged"]
-            gone.append(f"{r.label} ({_seed_list(d)}" + (f"; seed {d[0]}: `{first}`)" if len(d) > 1 else f": `{first}`)"))
+            gone.append(f"{r.label} ({seed_list(d)}" + (f"; seed {d[0]}: `{first}`)" if len(d) > 1 else f": `{first}`)"))
     text = ("Planned runs not made yet: " + "; ".join(out) + ".\n\n") if out else ""
     if gone:
         text += ("Runs whose training diverged (the loss became non-finite and the platform stopped the run, "

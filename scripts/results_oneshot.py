@@ -331,9 +331,45 @@ def values(cells: dict[str, dict[int, rc.Run]], s: Setting, m: Measure) -> dict[
     return out
 
 
+# The rows that read the main client models of their seed from the cache (the others train their own: other
+# minibatch orders, more local epochs, FuseFL's blocks, multi-round FedAvg).
+MAIN_CLIENTS = ("fedavg", "fedavg_cal", "ensemble_cal", "feddf", "feddf_ood", "dense", "coboost", "adi", "dense_g2",
+                "coboost_g2", "dense_w", "coboost_w", "feddf_card", "dense_card", "coboost_card", "adi_card")
+FINGERPRINT = ("client_test_accuracy_mean", "ensemble_test_accuracy", "fedavg_test_accuracy")
+
+
+def client_models(cells: dict[str, dict[int, rc.Run]], s: Setting, tag: str) -> dict[int, tuple[float, ...]]:
+    """seed -> what row ``tag``'s runs logged of the client models they read (their mean accuracy, their
+    ensemble's and their average's): two runs on the same client models log the same three numbers."""
+    out = {}
+    for seed, run in rc.finished(cells.get(f"{s.name}/{tag}", {})).items():
+        last = {k: r[k] for r in run["rows"] for k in FINGERPRINT if r.get(k) is not None}
+        if len(last) == len(FINGERPRINT):
+            out[seed] = tuple(last[k] for k in FINGERPRINT)
+    return out
+
+
+def pair(cells: dict[str, dict[int, rc.Run]], s: Setting, a: Measure, b: Measure
+         ) -> tuple[dict[int, float], dict[int, float], list[int]]:
+    """The two measures over the seeds they can be paired on, and the seeds left out: a paired difference
+    between two rows on the main client models holds only where both runs read the same client models (runs
+    made at different commits may not: the cache is per code snapshot), never just the same seed."""
+    va, vb = values(cells, s, a), values(cells, s, b)
+    shared = sorted(set(va) & set(vb))
+    other: list[int] = []
+    if a.tag != b.tag and a.tag in MAIN_CLIENTS and b.tag in MAIN_CLIENTS:
+        fa, fb = client_models(cells, s, a.tag), client_models(cells, s, b.tag)
+        other = [k for k in shared if fa.get(k) is None or fa.get(k) != fb.get(k)]
+    keep = [k for k in shared if k not in other]
+    return {k: va[k] for k in keep}, {k: vb[k] for k in keep}, other
+
+
+def left_out(other: list[int]) -> str:
+    return f" ({rc.seed_list(other)} left out: other client models)" if other else ""
+
+
 def accuracy_table(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> str:
     ms = measures(s)
-    fedavg, ensemble = values(cells, s, ms["fedavg"]), values(cells, s, ms["ensemble"])
     header = ["model", "seeds", "test accuracy (mean ± 95% CI)", "minus one-shot FedAvg (paired, 95% CI)", "reading",
               "minus the ensemble (paired, 95% CI)", "reading "]
     rows = []
@@ -341,10 +377,13 @@ def accuracy_table(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> str:
         v = values(cells, s, m)
         if not v:
             continue
-        d1, d2 = rc.paired(v, fedavg), rc.paired(v, ensemble)
+        (a1, b1, o1), (a2, b2, o2) = pair(cells, s, m, ms["fedavg"]), pair(cells, s, m, ms["ensemble"])
+        d1, d2 = rc.paired(a1, b1), rc.paired(a2, b2)
         rows.append([m.label, str(len(v)), rc.fmt_mean(rc.interval(list(v.values()))),
-                     "-" if m.name == "fedavg" else rc.fmt_diff(d1), "-" if m.name == "fedavg" else rc.reading(d1),
-                     "-" if m.name == "ensemble" else rc.fmt_diff(d2), "-" if m.name == "ensemble" else rc.reading(d2)])
+                     "-" if m.name == "fedavg" else rc.fmt_diff(d1) + left_out(o1),
+                     "-" if m.name == "fedavg" else rc.reading(d1),
+                     "-" if m.name == "ensemble" else rc.fmt_diff(d2) + left_out(o2),
+                     "-" if m.name == "ensemble" else rc.reading(d2)])
     return rc.md_table(header, rows)
 
 
@@ -352,13 +391,13 @@ def comparison_table(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> tuple[s
     header = ["comparison", "what it tests", "seeds", "difference (paired, 95% CI)", "p", "reading"]
     rows, out, ms = [], {}, measures(s)
     for a, b, what in COMPARISONS:
-        va, vb = values(cells, s, ms[a]), values(cells, s, ms[b])
+        va, vb, other = pair(cells, s, ms[a], ms[b])
         d = rc.paired(va, vb)
-        if d.n == 0:
+        if d.n == 0 and not other:
             continue
         out[(a, b)] = d
-        rows.append([f"{ms[a].label} minus {ms[b].label}", what, str(d.n), rc.fmt_diff(d), rc.fmt_p(d),
-                     rc.reading(d)])
+        rows.append([f"{ms[a].label} minus {ms[b].label}", what, str(d.n) + left_out(other),
+                     rc.fmt_diff(d) if d.n else "-", rc.fmt_p(d) if d.n else "-", rc.reading(d) if d.n else "-"])
     return rc.md_table(header, rows), out
 
 
@@ -366,10 +405,21 @@ def _kb(n: float) -> str:
     return f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
 
 
+def _steps(runs: dict[int, rc.Run]) -> str:
+    """FedDF's distillation steps run and its best (kept) step, min-max over seeds: early stopping ends a run
+    well before its step budget, so the budget alone does not say how long the server distilled."""
+    last = [next((r for r in reversed(run["rows"]) if r.get("distill_steps") is not None), None) for run in runs.values()]
+    if not all(last):
+        return "-"
+    span = lambda key: f"{min(r[key] for r in last):,.0f}-{max(r[key] for r in last):,.0f}"  # noqa: E731
+    return f"{span('distill_steps')} (best {span('best_step')})"
+
+
 def traffic_table(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> str:
-    """Rounds and bytes per client, counted alike for every row (the logged bytes); the calibration round's share."""
+    """Rounds and bytes per client, counted alike for every row (the logged bytes); the calibration round's share;
+    FedDF's distillation steps."""
     header = ["row", "rounds", "upload per client", "download per client", "of which the calibration round (up / down)",
-              "final model parameters", "CPU s per run (mean)"]
+              "final model parameters", "distillation steps run (best), min-max over seeds", "CPU s per run (mean)"]
     rows = []
     for row in s.rows:
         runs = rc.finished(cells.get(f"{s.name}/{row.tag}", {}))
@@ -382,7 +432,7 @@ def traffic_table(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> str:
         rows.append([row.label, str(summ["rounds"]), _kb(summ["bytes_up_total"] / CLIENTS),
                      _kb(summ["bytes_down_total"] / CLIENTS),
                      f"{_kb(last['bytes_up'] / CLIENTS)} / {_kb(last['bytes_down'] / CLIENTS)}" if calibrated else "-",
-                     f"{int(params):,}" if params is not None else "-",
+                     f"{int(params):,}" if params is not None else "-", _steps(runs),
                      f"{statistics.fmean(r['stats']['cpu_s'] for r in runs.values()):.0f}"])
     return rc.md_table(header, rows)
 
@@ -393,14 +443,16 @@ def budget_section(s: Setting, cells: dict[str, dict[int, rc.Run]], plots: Path 
     rows, curves = [], {}
     ms = measures(s)
     for method, m1, m2, what in budget_pairs(s):
-        v1, v2 = values(cells, s, ms[m1]), values(cells, s, ms[m2])
+        if not values(cells, s, ms[m2]):
+            continue
+        v2, v1, other = pair(cells, s, ms[m2], ms[m1])
         if not v2:
             continue
-        v1 = {k: v for k, v in v1.items() if k in v2}
         d = rc.paired(v2, v1)
         i1, i2 = rc.interval(list(v1.values())), rc.interval(list(v2.values()))
         curves[method] = (i1, i2)
-        rows.append([method, what, str(d.n), rc.fmt_mean(i1), rc.fmt_mean(i2), rc.fmt_diff(d), rc.reading(d)])
+        rows.append([method, what, str(d.n) + left_out(other), rc.fmt_mean(i1), rc.fmt_mean(i2), rc.fmt_diff(d),
+                     rc.reading(d)])
     if not rows:
         return ""
     if plots is not None:
@@ -547,9 +599,12 @@ def verdicts(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> list[tuple]:
     out: list[tuple] = []
     ms = measures(s)
     for a, b, claim in claims(s):
-        d = rc.paired(values(cells, s, ms[a]), values(cells, s, ms[b]))
+        va, vb, other = pair(cells, s, ms[a], ms[b])
+        d = rc.paired(va, vb)
         if d.n:
-            out.append((claim, d, ms[b].label))
+            out.append((claim, d, ms[b].label, rc.fmt_diff(d) + left_out(other)) if other else (claim, d, ms[b].label))
+        elif other:  # both ran, on no seed with the same client models
+            out.append((claim, None, ms[b].label, f"none{left_out(other)}"))
         elif all(s.row(ms[m].tag) for m in (a, b)):
             out.append((claim, None, ms[b].label, "not run yet (the setting's missing runs)"))
     return out
@@ -562,7 +617,9 @@ def method_paragraph() -> str:
             "set (FedDF's early stopping reads a labelled validation part of the server's held-out training split, "
             "never the test set). ± is the half-width of the 95% Student-t interval over seeds; a difference is paired "
             "by seed (same partition, initial model, server split and client models) with its 95% interval in brackets "
-            "and the paired t-test's p; 'reading' says higher or lower only when the interval excludes 0, else 'no "
+            "and the paired t-test's p; two rows on the main client models pair only the seeds whose runs logged the "
+            "same client models (their mean accuracy, their ensemble's and their average's), and a seed left out for "
+            "that is named; 'reading' says higher or lower only when the interval excludes 0, else 'no "
             "detectable difference'. Accuracies in %, differences in points. The noise-floor row retrains the clients "
             "with only their minibatch orders changed (`train.shuffle_offset=1`): how large a paired difference of "
             "one-shot FedAvg or of the ensemble comes from nothing but shuffling. CPU s per run: the one-shot rows "
@@ -590,7 +647,8 @@ def build(settings: list[Setting], cells: dict[str, dict[int, rc.Run]], plots: P
             + "### Comparisons\n\n" + comparisons + "\n### Rounds, bytes and size\n\nBytes as logged by the runs, per "
             "client (5 clients), every round counted, the calibration round included; 'final model parameters' is "
             "what the method keeps for inference (the ensemble: 5 client models; FuseFL: every client's blocks and "
-            "adaptors; seed " + "0).\n\n" + traffic_table(s, cells) + "\n"
+            "adaptors; seed " + "0); FedDF's distillation steps are over every seed (early stopping ends a run "
+            "before its step budget).\n\n" + traffic_table(s, cells) + "\n"
             + budget_section(s, cells, plots, f"{DOC}_{s.name}_budget{suffix}.png"))
     gpu = any(s.preset for s in settings)
     return ("# One-shot FL: one-shot FedAvg, ensemble, FedDF, DENSE, Co-Boosting, Fed-ADI, FuseFL" + (" (GPU preset)" if gpu else "")

@@ -747,3 +747,39 @@ def test_oneshot_labels_budgets_and_claims_quote_what_the_rows_ran():
         local = 4 if budget == "full" else 1
         assert f"Dirichlet(0.5), {local} local epochs (the papers" in claims[("ensemble", "fedavg")].differences
         assert s.title.endswith(f"{local} local epochs")
+
+
+def test_oneshot_reports_the_distillation_steps_feddf_ran_not_its_budget():
+    os_ = importlib.import_module("results_oneshot")
+    run = lambda steps, best: {"rows": [{"round": 1, "distill_steps": steps, "best_step": best, "test_accuracy": 0.5},  # noqa: E731
+                                        {"round": 1, "calibration_samples": 10}]}
+    assert os_._steps({0: run(1300.0, 300.0), 1: run(2500.0, 1500.0), 2: run(1000.0, 0.0)}) == "1,000-2,500 (best 0-1,500)"
+    assert os_._steps({0: run(1300.0, 300.0), 1: {"rows": [{"round": 1, "test_accuracy": 0.5}]}}) == "-"
+
+
+def test_oneshot_pairs_only_runs_that_read_the_same_client_models():
+    """Same seed is not enough: a run made at another commit may have trained other client models (the cache
+    is per code snapshot); such a seed is left out of the pair and named."""
+    os_ = importlib.import_module("results_oneshot")
+    s = os_.cpu_settings("full")[0]
+    ms = os_.measures(s)
+
+    def run(acc: float, clients: float) -> rc.Run:
+        return {"stats": {"cpu_s": 1.0}, "rows": [{"round": 1, "test_accuracy": acc, "client_test_accuracy_mean": clients,
+                                                   "ensemble_test_accuracy": 0.8, "fedavg_test_accuracy": 0.6}]}
+    cells = {"alpha05/fedavg": {k: run(0.6, 0.5) for k in range(3)},
+             "alpha05/dense": {0: run(0.7, 0.5), 1: run(0.9, 0.51), 2: run(0.7, 0.5)},
+             "alpha05/fedavg_shuffle": {k: run(0.65, 0.52) for k in range(3)}}  # its own client models, by design
+    va, vb, other = os_.pair(cells, s, ms["dense"], ms["fedavg"])
+    assert sorted(va) == sorted(vb) == [0, 2] and other == [1]
+    assert os_.left_out(other) == " (seed 1 left out: other client models)"
+    va, vb, other = os_.pair(cells, s, ms["noise_fedavg"], ms["fedavg"])
+    assert sorted(va) == [0, 1, 2] and other == []
+    (header, rows), = _tables(os_.comparison_table(s, cells)[0])
+    row = next(r for r in rows if r[0] == "DENSE minus One-shot FedAvg")
+    assert row[header.index("seeds")] == "2 (seed 1 left out: other client models)"
+    assert row[header.index("difference (paired, 95% CI)")] == "+10.00 [+10.00, +10.00]"
+    # a claim whose rows share no seed's client models says so in its verdict row (not "not run yet")
+    cells["alpha05/adi"] = {k: run(0.3, 0.49) for k in range(3)}
+    row = next(r for r in os_.verdicts(s, cells) if r[0].algorithm == "DENSE vs Fed-ADI" and r[0].budget < 1)
+    assert row[1] is None and row[3] == "none (seeds 0-2 left out: other client models)"
