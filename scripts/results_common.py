@@ -16,13 +16,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import gzip
+import importlib.metadata
 import io
 import itertools
 import json
 import math
 import os
+import platform
 import queue
 import shutil
 import statistics
@@ -129,13 +132,28 @@ def run_job(job: Job, runs: Path, artefacts: Path, code: tuple[Path, str], threa
         if failed and not error:
             raise RuntimeError(f"run {job.name} failed: {' '.join(cmd)}; see {run_dir / 'stdout.log'}")
         stats = {"cpu_s": round(usage.ru_utime + usage.ru_stime, 2), "wall_s": round(time.perf_counter() - t0, 2),
-                 "commit": code[1], "overrides": job.overrides, "row_cpu_s": row_cpu,
+                 "commit": code[1], "machine": machine(), "overrides": job.overrides, "row_cpu_s": row_cpu,
                  **({"diverged": error} if error else {})}
         if error:  # the platform writes no summary for a stopped run: the runner's says why it stopped
             (run_dir / "summary.json").write_text(json.dumps({"diverged": error}, indent=2) + "\n")
         (run_dir / "run.json").write_text(json.dumps(stats, indent=1) + "\n")
     export_artefact(run_dir, dest, job.metrics)
     return json.loads((dest / "run.json").read_text())
+
+
+def machine() -> dict[str, str]:
+    """The CPU model and torch build a run was made with: the same code on another CPU (other vector
+    kernels) or torch gives other floating-point results, so runs of one seed agree bit for bit only on one
+    machine (oneshot.md's client models showed it). run.json keeps it; ``provenance`` lists the machines."""
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), cpu)
+    try:
+        torch = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch = "not installed"
+    return {"cpu": cpu if cpu != "unknown" else (platform.processor() or cpu), "torch": torch}
 
 
 def _diverged(log: Path) -> str | None:
@@ -922,8 +940,22 @@ def provenance(doc: str, artefacts: Path, cells: dict[str, dict[int, Run]], comm
     rel = artefacts.relative_to(REPO).as_posix() if artefacts.is_relative_to(REPO) else artefacts.name
     return (f"Produced by `{command}`; `{command} --from-artefacts` rebuilds this text from the committed "
             f"artefacts alone ({rel}/, {n} runs: summary.json, metrics.jsonl.gz, config.yaml, run.json). Runs made "
-            f"at commit {', '.join(c[:10] for c in commits(cells))}; {cpu_hours(cells):.2f} CPU-hours in all, one "
-            "torch thread per run. Method and statistics: [README.md](README.md).")
+            f"at commit {', '.join(c[:10] for c in commits(cells))}{machines(cells)}; {cpu_hours(cells):.2f} CPU-hours "
+            "in all, one torch thread per run. Method and statistics: [README.md](README.md).")
+
+
+def machines(cells: dict[str, dict[int, Run]]) -> str:
+    """", on <cpu> with torch <version> (n runs), ..." for the runs whose run.json records its machine
+    (``machine``; "" when none does): runs made on other machines may differ in their last digits."""
+    count: dict[str, int] = {}
+    for runs in cells.values():
+        for run in runs.values():
+            m = run["stats"].get("machine")
+            key = f"{m['cpu']} with torch {m['torch']}" if m else "a machine not recorded"
+            count[key] = count.get(key, 0) + 1
+    if set(count) <= {"a machine not recorded"}:
+        return ""
+    return ", on " + ", ".join(f"{k} ({n} run{'s' if n > 1 else ''})" for k, n in sorted(count.items()))
 
 
 def main_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str],

@@ -558,6 +558,15 @@ def test_a_diverged_run_is_recorded_any_other_failure_fails(tmp_path):
     assert rc.run_job(rc.Job("d/fedavg", 0, ["x=1"]), tmp_path / "runs", tmp_path / "art", code)["diverged"]
     assert rc.load_cells(tmp_path / "art")["d/fedavg"][0]["rows"] == [
         {"round": 1, "test_accuracy": 0.2, "val_accuracy": 0.1}]
+    # run.json keeps the machine (CPU model, torch build): the same code elsewhere may differ in its last digits
+    cells = rc.load_cells(tmp_path / "art")
+    here = f"{rc.machine()['cpu']} with torch {rc.machine()['torch']}"
+    assert stats_["machine"] == rc.machine() and set(rc.machine()) == {"cpu", "torch"}
+    assert rc.machines(cells) == f", on {here} (2 runs)"
+    del cells["d/fedavg"][0]["stats"]["machine"]  # made before run.json kept it
+    assert rc.machines(cells) == ", on " + ", ".join(sorted([f"{here} (1 run)", "a machine not recorded (1 run)"]))
+    del cells["d/tune/fedavg/train.lr0.2"][100]["stats"]["machine"]
+    assert rc.machines(cells) == ""  # no run records one: the provenance line is as before
     _fake_platform(code[0], "error: ValueError: train.lr: must be > 0")
     with pytest.raises(RuntimeError, match=re.escape("run d/tune/fedavg/train.lr0.2/s101 failed")):
         rc.run_job(replace(tune, seed=101), tmp_path / "runs", tmp_path / "art", code)
