@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -85,6 +88,27 @@ def test_cli_reports_bad_overrides_and_prints_config(capsys):
     cmd = torchrun_command(2, ["compressor=topk"])
     assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--rdzv-endpoint=127.0.0.1:0" in cmd
     assert cmd[-3:] == ["-m", "fl_platform.ssgd", "compressor=topk"]
+
+
+def test_end_worker_flushes_what_the_run_printed_and_logged_then_skips_finalisation(tmp_path):
+    """A torchrun worker ends through end_worker (torch's leaked gloo threads can abort Python's
+    finalisation): its exit code, its buffered stdout and its log lines must survive; atexit must not run."""
+    log = tmp_path / "worker.log"
+    code = (
+        "import atexit, logging, logging.handlers\n"
+        "from fl_platform.ssgd.distributed import end_worker\n"
+        f"target = logging.FileHandler({str(log)!r})\n"  # a buffering handler: written only when flushed
+        "logging.basicConfig(level=logging.INFO, handlers=[logging.handlers.MemoryHandler(100, target=target)])\n"
+        "logging.info('last line of the run')\n"
+        "atexit.register(lambda: print('finalised'))\n"
+        "print('final test accuracy: 0.9', end='')\n"
+        "end_worker(3)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout to a pipe is then buffered
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == "final test accuracy: 0.9"
+    assert "last line of the run" in log.read_text()
 
 
 # ---------------------------------------------------------------- hook plumbing

@@ -296,4 +296,7 @@ def _worker_main(out: str) -> None:
 
 
 if __name__ == "__main__":
+    from fl_platform.ssgd.distributed import end_worker
+
     _worker_main(sys.argv[1])
+    end_worker(0)

@@ -4,7 +4,8 @@ Without torchrun it is a world of one. ``fl-ssgd --nproc-per-node N [overrides]`
 for you (fl_platform/ssgd/launch.py).
 """
 
+from fl_platform.ssgd.distributed import end_worker
 from fl_platform.ssgd.launch import run_worker
 
 if __name__ == "__main__":
-    raise SystemExit(run_worker())
+    end_worker(run_worker())

@@ -153,8 +153,10 @@ def main() -> None:
     if args.warmup < 2:
         ap.error("--warmup must be >= 2 (DDP rebuilds its buckets after iteration 1)")
     if args.worker:
+        from fl_platform.ssgd.distributed import end_worker
+
         worker(args)
-        return
+        end_worker(0)
     load, t0 = _load(), time.perf_counter()
     command = "python scripts/bench/ssgd.py " + " ".join(a for a in sys.argv[1:] if a != "--write-docs")
     with tempfile.TemporaryDirectory(prefix="bench_ssgd_") as out:
