@@ -362,6 +362,11 @@ class ServerAlgorithm:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved, here = state["weights"].numel(), self.weights.numel()
+        if saved != here:
+            raise ValueError(f"the checkpoint's model vector has {saved} elements, this run's model {here}: it was "
+                             "written for another model, or before the flat vector's tensors were 16-byte aligned "
+                             "(fl_platform after 2026-12-04 pads between them); resume it with the version that wrote it")
         self.weights = state["weights"].clone()
         if self.server_opt is not None:
             if "server_opt" not in state:

@@ -116,7 +116,8 @@ def test_objects_run_inline_and_on_ray_with_the_clients_given(plugin_spec, ray_s
     assert cfg.model._target_.startswith(plugins.OBJECT_PREFIX) and cfg.algorithm.name == "clipavg"
     assert (cfg.num_clients, cfg.partition.name) == (6, "natural")
     weights, rows, exp = _run(cfg)
-    assert isinstance(exp.simulation.eval_model.model, local) and weights.numel() == 5 * 3 + 3
+    assert isinstance(exp.simulation.eval_model.model, local) and exp.simulation.eval_model.param_count == 5 * 3 + 3
+    assert weights.numel() == 20  # weight 15 (+1 alignment padding), bias 3 (+1)
     train_x = _toy()[0]
     for c, given in enumerate(CLIENTS):  # client c holds exactly the samples given, in that order
         x, _ = exp.data.client_data(c)

@@ -11,6 +11,7 @@ import torch
 from fl_platform.algorithms.baow import BAOWClient, BAOWConf, BAOWServer, keep_ratios
 from fl_platform.algorithms.base import Setup
 from fl_platform.compression import TopK
+from fl_platform.compression.vector import Layout
 from fl_platform.core import Aggregate, Broadcast, RoundContext
 from fl_platform.experiment import build, run_experiment
 from fl_platform.state.manifest import ROUND_KEY as STAMP
@@ -56,19 +57,22 @@ def test_client_uploads_topk_per_layer_and_contributes_masked_sums():
     up = client.train(ctx, 2, bc, None, ClientData(x, y, torch.arange(40)), trainer)
     delta = fm.vector - weights
     mask, masked = up.tensors["mask"] / 40, up.tensors["masked_delta"] / 40
-    for s in fm.slots:
-        m = mask[s.offset:s.offset + s.numel]
-        if s.is_param:  # exactly the ceil(rho * d_l) largest |delta| of each layer
+    segments = Layout.from_slots(fm.slots, len(fm), "layer").segments
+    assert [s.name for s in segments] == ["0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias",
+                                          "3.bias.padding", "buffers"]  # 387 parameters, aligned to 388
+    for s in segments:
+        m = mask[s.offset:s.end]
+        if s.compress:  # exactly the ceil(rho * d_l) largest |delta| of each layer (and of its padding)
             k = math.ceil(0.25 * s.numel)
             assert int(m.sum()) == k
-            top = delta[s.offset:s.offset + s.numel].abs().topk(k).indices
+            top = delta[s.offset:s.end].abs().topk(k).indices
             assert set(m.nonzero().squeeze(1).tolist()) == set(top.tolist())
         else:
             assert bool((m == 1).all())  # BatchNorm statistics dense
     assert torch.allclose(masked, mask * delta)
     assert up.weights["n"] == 40.0 and up.weights["kept"] == sum(
-        math.ceil(0.25 * s.numel) for s in fm.slots if s.is_param)
-    assert up.bytes_up == sum(TopK(0.25).payload_nbytes(s.numel) for s in fm.slots if s.is_param) + 4 * fm.num_buffers
+        math.ceil(0.25 * s.numel) for s in segments if s.compress)
+    assert up.bytes_up == sum(TopK(0.25).payload_nbytes(s.numel) for s in segments if s.compress) + 4 * fm.num_buffers
     with pytest.raises(ValueError, match="no keep ratio for client 3"):
         client.train(ctx, 3, bc, None, ClientData(x, y, torch.arange(40)), trainer)
 

@@ -154,6 +154,11 @@ def test_identity_compression_changes_nothing_but_runs_the_machinery(make_config
     assert all(r["upload_ratio"] == 1.0 and r["compression_error"] == 0.0 for r in b)
 
 
+def _compressed(fm):
+    """The segments a layer-wise compressor compresses: each parameter tensor and its alignment padding."""
+    return [s for s in Layout.from_slots(fm.slots, len(fm)).segments if s.compress]
+
+
 def test_topk_fedavg_reports_real_bytes_and_stores_residuals(make_config):
     cfg = make_config(*SMALL, "compressor=topk", "compressor.ratio=0.05", "compressor.index=int32")
     exp = build(cfg)
@@ -162,7 +167,7 @@ def test_topk_fedavg_reports_real_bytes_and_stores_residuals(make_config):
         worker = exp.engine.workers[0]
         rows = exp.simulation.history
         fm = worker.fm
-        per_client = sum(8 * math.ceil(0.05 * s.numel) for s in fm.slots if s.is_param) + 4 * fm.num_buffers
+        per_client = sum(8 * math.ceil(0.05 * s.numel) for s in _compressed(fm)) + 4 * fm.num_buffers
         assert all(r["bytes_up"] == per_client * r["num_clients"] for r in rows)
         assert rows[0]["bytes_up"] < 0.15 * rows[0]["bytes_down"]
         sampled = {c for r in range(3) for c in sample_clients(1, r, 8, 4)}
@@ -204,7 +209,7 @@ def test_scaffold_with_topk_compresses_the_model_delta_and_sends_the_control_del
         exp.simulation.run()
         w = exp.engine.workers[0]
         fm = w.fm
-        per_client = sum(8 * math.ceil(0.1 * s.numel) for s in fm.slots if s.is_param) + 4 * fm.num_buffers \
+        per_client = sum(8 * math.ceil(0.1 * s.numel) for s in _compressed(fm)) + 4 * fm.num_buffers \
             + 4 * fm.num_params
         assert all(r["bytes_up"] == per_client * r["num_clients"] for r in exp.simulation.history)
         assert set(w.store.specs) == {"c", "ef.delta.residual", ROUND_KEY, STAMP}

@@ -54,9 +54,15 @@ def _setup() -> Setup:
 def _vector(setup: Setup, seed: int) -> torch.Tensor:
     """Random weights (scaled up so that the members disagree) and non-trivial BN running statistics."""
     g = torch.Generator().manual_seed(seed)
-    vec = torch.randn(setup.vector_size, generator=g) * 0.3
-    buffers = vec[setup.num_params:]
-    buffers.copy_(torch.rand(setup.num_buffers, generator=g) + 0.5)  # running var (and mean) in [0.5, 1.5)
+    slots = FlatModel(setup.model_fn()).slots
+    params, buffers = [s for s in slots if s.is_param], [s for s in slots if not s.is_param]
+    dense = torch.randn(sum(s.numel for s in params) + sum(s.numel for s in buffers), generator=g) * 0.3
+    dense[sum(s.numel for s in params):] = torch.rand(sum(s.numel for s in buffers), generator=g) + 0.5
+    vec = torch.zeros(setup.vector_size)  # the draws placed tensor by tensor (the layout pads between them)
+    pos = 0
+    for s in slots:  # running var (and mean) in [0.5, 1.5)
+        vec[s.offset : s.offset + s.numel] = dense[pos : pos + s.numel]
+        pos += s.numel
     return vec
 
 

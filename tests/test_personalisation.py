@@ -315,7 +315,10 @@ def test_ditto_personal_step_is_grad_plus_lambda_times_v_minus_w():
     trainer = _trainer(setup)
     fm = trainer.fm
     w = fm.vector.clone()
-    v = w + 0.3 * torch.randn_like(w)
+    used = torch.zeros_like(w, dtype=torch.bool)  # (a personal model is zero in the alignment padding, as w)
+    for s in fm.slots:
+        used[s.offset : s.offset + s.numel] = True
+    v = w + 0.3 * torch.randn_like(w) * used
     data = _data(24)
     update = client.train(CTX, 2, Broadcast({"weights": w}), {"v": v.clone()}, data, trainer)
     ref = FlatModel(setup.model_fn())

@@ -63,7 +63,7 @@ def run(*overrides: str) -> tuple[torch.Tensor, list[dict]]:
 
 def test_plugins_run_inline_and_act():
     weights, rows = run(*PLUGINS)
-    assert weights.numel() == TINYNET_PARAMS  # plugin_pkg.nets.TinyNet(width=8) on blobs
+    assert weights.numel() == TINYNET_PARAMS + 1  # plugin_pkg.nets.TinyNet(width=8) on blobs (+1: 16-byte alignment)
     # the plug-in server clipped: its update norm metric is logged and exceeds max_norm
     assert all(r["update_norm"] > 0.05 for r in rows)
     unclipped, _ = run(*DATA, *MODEL, "algorithm=plugin", "algorithm._target_=plugin_pkg.alg:SPEC")

@@ -257,7 +257,8 @@ def test_local_sgd_replicas_are_identical_right_after_averaging(scenario_runs):
     assert all(r["replica_diff_before_sync"] > 1e-4 for r in rows)  # and they really had drifted apart
     summary = json.loads((run / "summary.json").read_text())
     assert summary["sync"] == "local"
-    assert summary["bytes_per_worker_total"] == 4 * 4 * (summary["num_params"])  # 4 averages of the model
+    assert summary["num_params"] == models[0].param_count
+    assert summary["bytes_per_worker_total"] == 4 * 4 * models[0].num_params  # 4 averages of the flat (aligned) model
 
 
 def test_cli_two_workers_powersgd_learns_digits(tmp_path):

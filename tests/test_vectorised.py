@@ -139,7 +139,9 @@ def test_frozen_parameters_stay_put():
     hooks = [GradientCorrectionHook(torch.full((fm.num_params,), 0.01))] * len(SIZES)
     cfg = TrainConfig(epochs=1, batch_size=4, lr=0.05, weight_decay=1e-2, clip_norm=1.0)
     _, res = _compare_fit(fm, cfg, _data(), hooks)
-    frozen = ~torch.cat([torch.full((p.numel(),), p.requires_grad) for p in model.parameters()])
+    frozen = torch.zeros(fm.num_params, dtype=torch.bool)
+    for s, p in zip([s for s in fm.slots if s.is_param], model.parameters(), strict=True):
+        frozen[s.offset : s.offset + s.numel] = not p.requires_grad
     assert torch.equal(res[3].vector[: fm.num_params][frozen], start[: fm.num_params][frozen])
 
 

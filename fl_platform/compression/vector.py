@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from fl_platform.compression.base import NO_KEY, Compressor, Key, Payload, State, decode_dense, dense_payload
+from fl_platform.training.flat import regions
 
 SCOPES = ("layer", "global", "bucket")
 
@@ -65,18 +66,29 @@ class Layout:
         """Layout of a FlatModel vector (``size`` = params + buffers) or of its parameters only.
 
         ``slots`` are :class:`fl_platform.training.flat.Slot` (name, offset, shape, is_param).
-        Floating-point buffers (BatchNorm statistics) always form one dense segment.
+        Floating-point buffers (BatchNorm statistics) always form one dense segment. With
+        ``layer``, the alignment padding after a parameter tensor (at most 3 elements, zero in
+        every update) is a segment of its own, compressed as the tensors are, so that per-name
+        states still cover all ``num_params`` elements; ``global`` and ``bucket`` cover it.
         """
         if scope not in SCOPES:
             raise ValueError(f"compressor.scope must be one of {', '.join(SCOPES)}; got {scope!r}")
         params = [s for s in slots if s.is_param]
-        num_params = sum(math.prod(s.shape) for s in params)
-        num_buffers = sum(math.prod(s.shape) for s in slots if not s.is_param)
-        if size not in (num_params, num_params + num_buffers):
+        num_params, total = regions(list(slots))
+        num_buffers = total - num_params
+        if size not in (num_params, total):
             raise ValueError(f"a vector of {size} elements is neither the model's parameters ({num_params}) "
-                             f"nor parameters + buffers ({num_params + num_buffers})")
+                             f"nor parameters + buffers ({total})")
         if scope == "layer":
-            segs = [Segment(s.name, s.offset, tuple(s.shape), True) for s in params]
+            segs = []
+            pos = 0
+            for s in [*params, None]:
+                start = num_params if s is None else s.offset
+                if start > pos:
+                    segs.append(Segment(f"{segs[-1].name}.padding", pos, (start - pos,), True))
+                if s is not None:
+                    segs.append(Segment(s.name, s.offset, tuple(s.shape), True))
+                    pos = s.offset + math.prod(s.shape)
         elif scope == "global":
             segs = [Segment("params", 0, (num_params,), True)] if num_params else []
         else:

@@ -290,7 +290,7 @@ class SSGDTrainer:
             "bytes_up_total": sum(r["bytes_up"] for r in self.history),
             "bytes_per_worker_total": sum(r["bytes_per_worker"] for r in self.history),
             "wire_bytes_per_worker_total": sum(r["wire_bytes_per_worker"] for r in self.history),
-            "dense_bytes_per_step": 4 * self.fm.num_params,
+            "dense_bytes_per_step": 4 * self.fm.param_count,
             "wall_time_s": wall,
             "train_time_s": train_time,
             "steps_per_s": steps / train_time if train_time > 0 else None,
@@ -303,7 +303,7 @@ class SSGDTrainer:
             "compressor": cfg.compressor.name,
             "dataset": cfg.dataset.name,
             "model": cfg.model.name,
-            "num_params": self.fm.num_params,
+            "num_params": self.fm.param_count,
             "global_batch_size": self.train_cfg.batch_size * ctx.world_size,
             "seed": cfg.seed,
         }

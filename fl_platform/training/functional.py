@@ -535,7 +535,8 @@ class FunctionalModel:
         fm.model.train()
         fm.grad.zero_()
         F.cross_entropy(fm.model(xb), yb).backward()
-        expected = fm.grad.clone()  # frozen parameters' entries stay zero
+        # (the per-slot gradients, back to back as torch.cat lays the vmapped ones; frozen ones zero)
+        expected = torch.cat([fm.grad[o : o + n] for o, n in self.layout.spans])
         rows = vec.unsqueeze(0).repeat(2, 1)
         got = torch.cat(self.grads(rows[:, : self.num_params], self.stack_buffers(rows),
                                    xb.unsqueeze(0).expand(2, *xb.shape), yb.unsqueeze(0).expand(2, *yb.shape))[0], 1)

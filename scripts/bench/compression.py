@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         + (f" `--threads {args.threads}`" if args.threads else "") + f" on {hardware_line()}, "
         f"{torch.get_num_threads()} torch threads (a machine shared with other jobs: times are indicative).",
         "",
-        f"Vector: the gradient of CIFAR ResNet-18 ({fm.num_params:,} parameters, {len(layouts['layer'].segments)} "
+        f"Vector: the gradient of CIFAR ResNet-18 ({fm.param_count:,} parameters, {sum(s.is_param for s in fm.slots)} "
         "tensors) on one batch of 32 random images; layer-wise unless marked global. Error: "
         "||decode(encode(g)) - g|| / ||g||, one shot, no error feedback (PowerSGD from a random Q). Time: "
         f"median of {args.reps} runs after a warm-up.",
