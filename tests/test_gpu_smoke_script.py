@@ -69,6 +69,32 @@ def test_dry_run_expects_cpu_workers_without_gpu_ids(smoke, tmp_path):
         smoke.check_workers(rows(("cpu", []), ("cpu", ["0"])), t, 2)
 
 
+def test_checks_after_a_broken_cuda_context_are_failed_without_running(smoke, capsys):
+    """A device-side error is sticky: the checks after it are reported as not run, naming where the
+    context broke, instead of each failing with the same error (the first device run read 11 failures)."""
+    ran = []
+
+    def check(name, error=None):
+        def run():
+            ran.append(name)
+            if error:
+                raise RuntimeError(error)
+            return "ok"
+        return name, run
+
+    chosen = [check("a"), check("b", "wrong value"), check("c", "CUDA error: misaligned address"), check("d")]
+
+    def context_error():  # broken from the moment check c raised
+        return "AcceleratorError: CUDA error: misaligned address" if "c" in ran else None
+
+    assert smoke.run_checks(chosen, context_error) == ["b", "c", "d"]
+    assert ran == ["a", "b", "c"]  # d was not run
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("PASS a") and out[1].startswith("FAIL b") and out[2].startswith("FAIL c")
+    assert out[3] == ("FAIL d (0 s): not run: the CUDA context of this process was lost in c (AcceleratorError: "
+                      "CUDA error: misaligned address); run it alone with --only d")
+
+
 @no_cuda
 def test_the_smoke_refuses_without_cuda(smoke, capsys):
     assert smoke.main([]) == 2
