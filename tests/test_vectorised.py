@@ -463,3 +463,25 @@ def test_cohort_refuses_step_options_it_cannot_apply():
         CohortTrainer(fm, TrainConfig(compile=True))
     with pytest.raises(ConfigError, match=r"train\.channels_last=True cannot apply with engine.cohort_size=4"):
         build(compose_config("model=cnn", "engine.cohort_size=4", "train.channels_last=true", "rounds=1"))
+
+
+def test_the_probe_compares_without_tf32_and_restores_the_cudnn_flags(monkeypatch):
+    """TF32 rounding, amplified by ResNet-18's gradient, made the probe refuse BatchNorm cohorts on an
+    H200 (6.8e-2 > 1e-2): it compares with cuDNN's TF32 off, and every cuDNN flag is as before after."""
+    b = torch.backends.cudnn
+    monkeypatch.setattr(b, "benchmark", True)
+    before = (b.enabled, b.benchmark, b.deterministic, b.allow_tf32)
+    assert b.allow_tf32  # (torch's default, which the probe must not inherit)
+    fn = FunctionalModel(FlatModel(_model("cnn", norm="batch"), torch.device("cpu")))
+    seen = []
+    probe = fn._probe
+
+    def spy(*args):
+        seen.append((b.allow_tf32, b.enabled, b.benchmark))
+        return probe(*args)
+
+    monkeypatch.setattr(fn, "_probe", spy)
+    x, y = torch.randn(4, *INPUT), torch.tensor([0, 1, 2, 3])
+    assert fn.unsupported_reason(x, y) is None
+    assert seen == [(False, before[0], True)]
+    assert (b.enabled, b.benchmark, b.deterministic, b.allow_tf32) == before

@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -248,8 +249,21 @@ class StackedOptimizer:
 
 
 # The probe looks for batching rules that compute something else (errors of order 1), not for
-# rounding: on a GPU, TF32 convolutions/matmuls of different shapes differ by ~1e-3 relative.
+# rounding, so it compares in full fp32 (``_full_fp32``). TF32 convolutions (cuDNN's default on
+# Ampere and later) round their inputs to 10 mantissa bits, and ResNet-18's gradient amplifies that:
+# on the CPU, weights perturbed by 5e-4 relative moved its gradient by 1.3e-1 relative (batch 2 or
+# 8); on an H200 with TF32 the probe read 6.8e-2 and refused ResNet-18 cohorts (2026-12-04).
 _PROBE_TOLERANCE = 1e-2
+
+
+@contextmanager
+def _full_fp32() -> Iterator[None]:
+    """cuDNN without TF32 for the probe's two computations, every other cuDNN flag kept; restored
+    after (``torch.backends.cudnn.flags``). Matmuls are full fp32 unless the user asked otherwise."""
+    b = torch.backends.cudnn
+    with b.flags(enabled=b.enabled, benchmark=b.benchmark, benchmark_limit=b.benchmark_limit,
+                 deterministic=b.deterministic, allow_tf32=False):
+        yield
 
 
 def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -507,7 +521,7 @@ class FunctionalModel:
         saved_vec = fm.vector.detach().clone()
         saved_int = [b.detach().clone() for _, b in self.int_buffers]
         try:
-            with warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings(record=True) as caught, _full_fp32():
                 warnings.simplefilter("always")
                 got, expected, padded = self._probe(x[:2], y[:2], saved_vec)
         except Exception as err:  # an op without a batching rule, randomness under vmap, ...
