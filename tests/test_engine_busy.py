@@ -81,7 +81,10 @@ def test_every_row_carries_busy_time_and_run_json_the_workers(make_config, tmp_p
         assert all(v > 0 for v in row["worker_state_io_s"])  # SCAFFOLD's control variates on disk
         wall = row["round_time_s"] + row.get("eval_time_s", 0.0)
         assert 0 < row["worker_busy_frac"] <= 0.5 + 1e-9  # inline workers run one after the other
-        assert row["worker_busy_frac"] == pytest.approx(sum(row["worker_train_s"]) / (2 * wall), rel=0.05)
+        # (the engine's wall clock runs to just after the evaluation; round_time_s + eval_time_s leaves out the
+        # few ms between them, which a loaded machine stretches: 0.444 against 0.479 in one suite run beside a
+        # sweep; 15% still fails a formula without the worker count, a factor of 2: seen red)
+        assert row["worker_busy_frac"] == pytest.approx(sum(row["worker_train_s"]) / (2 * wall), rel=0.15)
         assert row["beyond_slowest_s"] >= 0
     workers = json.loads((tmp_path / "run" / "run.json").read_text())["workers"]
     assert [(w["worker"], w["device"], w["gpu_ids"]) for w in workers] == [(0, "cpu", []), (1, "cpu", [])]
