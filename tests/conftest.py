@@ -109,6 +109,14 @@ def _store_entries() -> list[tuple[str, Any]]:
     return sorted(out, key=lambda entry: entry[0])
 
 
+def slot_mask(fm) -> torch.Tensor:
+    """True where a tensor of the FlatModel ``fm`` lives in its flat vector, False in the alignment padding."""
+    used = torch.zeros(len(fm), dtype=torch.bool)
+    for s in fm.slots:
+        used[s.offset : s.offset + s.numel] = True
+    return used
+
+
 def compose_config(*overrides: str) -> DictConfig:
     """The config ``python -m fl_platform.run <overrides>`` would run (progress bar off).
 

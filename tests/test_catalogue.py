@@ -22,7 +22,7 @@ from fl_platform.training.flat import FlatModel
 from fl_platform.training.hooks import Batch
 from fl_platform.training.loop import ClientData, LocalTrainer, NonFiniteError, TrainConfig
 
-from .conftest import compose_config
+from .conftest import compose_config, slot_mask
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -175,10 +175,7 @@ def test_feddyn_client_linear_term_and_state_by_hand():
     trainer = LocalTrainer(fm, cfg)
     setup = _setup(fm.num_params, 0)
     client = FedDynClient(FedDynConf(alpha=0.1), setup)
-    used = torch.zeros(fm.num_params, dtype=torch.bool)
-    for s in fm.slots:
-        used[s.offset : s.offset + s.numel] = True
-    g = torch.where(used, torch.linspace(-1, 1, fm.num_params), 0.0)  # (a state is zero in the alignment padding)
+    g = torch.where(slot_mask(fm)[: fm.num_params], torch.linspace(-1, 1, fm.num_params), 0.0)  # (a state is zero in the alignment padding)
     ctx = RoundContext(round=0, seed=0, clients=(0,), num_rounds=1, num_clients=4)
     update = client.train(ctx, 0, Broadcast({"weights": w}), {"grad_prev": g}, ClientData(x, y, torch.arange(8)),
                           trainer)

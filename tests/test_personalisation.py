@@ -30,7 +30,7 @@ from fl_platform.seeding import Stream
 from fl_platform.training.flat import FlatModel
 from fl_platform.training.loop import ClientData, LocalTrainer, TrainConfig
 
-from .conftest import compose_config
+from .conftest import compose_config, slot_mask
 from .interrupt import StopAfter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -315,10 +315,7 @@ def test_ditto_personal_step_is_grad_plus_lambda_times_v_minus_w():
     trainer = _trainer(setup)
     fm = trainer.fm
     w = fm.vector.clone()
-    used = torch.zeros_like(w, dtype=torch.bool)  # (a personal model is zero in the alignment padding, as w)
-    for s in fm.slots:
-        used[s.offset : s.offset + s.numel] = True
-    v = w + 0.3 * torch.randn_like(w) * used
+    v = w + 0.3 * torch.randn_like(w) * slot_mask(fm)  # (a personal model is zero in the alignment padding, as w)
     data = _data(24)
     update = client.train(CTX, 2, Broadcast({"weights": w}), {"v": v.clone()}, data, trainer)
     ref = FlatModel(setup.model_fn())

@@ -11,6 +11,8 @@ from fl_platform.training.hooks import ComposedHooks, GradientCorrectionHook, Pr
 from fl_platform.training.loop import ClientData, LocalTrainer, NonFiniteError, TrainConfig, evaluate
 from fl_platform.training.optim import FlatAdam, FlatSGD
 
+from .conftest import slot_mask
+
 
 def _mlp(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
@@ -113,9 +115,7 @@ def test_flat_model_views_start_on_16_byte_boundaries_and_the_padding_stays_zero
     assert [v.data_ptr() % 16 for v in views] == [0] * len(views)
     assert len(fm) % 4 == 0 and fm.num_params % 4 == 0
     assert fm.param_count == sum(p.numel() for p in reference.parameters()) == 3 * 5 + 3 + 3 + 3 + 5 * 3 + 5 + 5 + 5 + 3 * 5 + 3
-    used = torch.zeros(len(fm), dtype=torch.bool)
-    for s in fm.slots:
-        used[s.offset : s.offset + s.numel] = True
+    used = slot_mask(fm)
     assert int((~used).sum()) > 0  # the layout really pads (else this test proves nothing)
     torch.testing.assert_close(fm.vector, model_vector(reference), rtol=0, atol=0)
     LocalTrainer(fm, TrainConfig(lr=0.1, momentum=0.9, weight_decay=1e-2)).fit(_data(), seed=0, round=0, client=0)
