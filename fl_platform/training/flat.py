@@ -61,22 +61,18 @@ def plan_slots(params: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, 
     step = align_elements(dtype)
     slots: list[Slot] = []
     offset = 0
-    for name, p in params:
-        offset = _align(offset, step)
-        slots.append(Slot(name, offset, tuple(p.shape), True))
-        offset += p.numel()
-    num_params = _align(offset, step)
-    offset = num_params
-    for name, b in buffers:
-        offset = _align(offset, step)
-        slots.append(Slot(name, offset, tuple(b.shape), False))
-        offset += b.numel()
-    return slots, num_params, _align(offset, step) - num_params
+    for tensors, is_param in ((params, True), (buffers, False)):
+        for name, t in tensors:
+            offset = _align(offset, step)
+            slots.append(Slot(name, offset, tuple(t.shape), is_param))
+            offset += t.numel()
+    num_params, total = regions(slots, step)
+    return slots, num_params, total - num_params
 
 
-def regions(slots: list[Slot]) -> tuple[int, int]:
-    """(num_params, num_params + num_buffers) of a float32 layout made by :func:`plan_slots`."""
-    step = align_elements(torch.float32)
+def regions(slots: list[Slot], step: int = align_elements(torch.float32)) -> tuple[int, int]:
+    """(num_params, num_params + num_buffers) of a layout made by :func:`plan_slots`: each region ends
+    on a whole alignment ``step`` (the float32 vectors every runtime uses by default)."""
     ends = [s.offset + s.numel for s in slots if s.is_param]
     num_params = _align(max(ends, default=0), step)
     buffer_ends = [s.offset + s.numel for s in slots if not s.is_param]
