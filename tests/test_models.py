@@ -227,6 +227,31 @@ def test_resnet18_pool_is_a_mean_over_height_and_width_with_adaptive_pooling_bit
     assert torch.equal(pooled, torch.tensor([[1.5, 5.5]]))
 
 
+def test_resnet18_shortcut_is_a_strided_1x1_conv_computed_without_the_strided_1x1_kernel() -> None:
+    """The downsampling shortcut computes a stride-2 1x1 conv as a subsample then a stride-1 conv: oneDNN's
+    strided 1x1 weight gradient on channels-last input with fewer than 8 input channels is wrong, hangs or
+    crashes on AVX2 CPUs (oneDNN issue 6035; here layer2_0's 4 -> 8 channels at 32x32, the failing shape).
+    Channels-last gradients match the NCHW model's, and the shortcut is the strided conv's map."""
+    torch.manual_seed(0)
+    model = ResNet18((3, 32, 32), 10, width=4)
+    strided_1x1 = [m for m in model.modules()
+                   if isinstance(m, nn.Conv2d) and m.kernel_size == (1, 1) and m.stride != (1, 1)]
+    assert not strided_1x1
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 3, 32, 32)
+    model = model.to(memory_format=torch.channels_last)
+    model(x.contiguous(memory_format=torch.channels_last)).square().sum().backward()
+    reference(x).square().sum().backward()
+    # other kernels, other rounding: at most 1e-4 of a tensor's gradient norm here; the strided kernel's was 1.56
+    errors = {name: float((p.grad - q.grad).norm() / q.grad.norm())
+              for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True)}
+    assert max(errors.values()) < 1e-3, max(errors.items(), key=lambda kv: kv[1])
+    block = reference.stages["layer2_0"]
+    h = torch.randn(2, 4, 9, 9)  # odd size: the subsample keeps ceil(9 / 2) = 5 rows, as the strided conv
+    strided = nn.functional.conv2d(h, block.shortcut[0].weight, stride=2)
+    torch.testing.assert_close(block.shortcut[0](h[:, :, ::2, ::2]), strided, rtol=0, atol=1e-6)
+
+
 def test_cnn_norm_options() -> None:
     kinds = {
         norm: {type(m) for m in build_model("cnn", (1, 28, 28), 10, norm=norm).modules()}

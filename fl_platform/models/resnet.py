@@ -22,10 +22,18 @@ FUSEFL_RESNET18_CUTS: dict[int, tuple[str, ...]] = {
 
 
 class BasicBlock(nn.Module):
-    """Two 3x3 convs with a residual connection (1x1 conv + norm shortcut when the shape changes)."""
+    """Two 3x3 convs with a residual connection (1x1 conv + norm shortcut when the shape changes).
+
+    The shortcut subsamples its input, then runs a stride-1 1x1 conv: the same map as a stride-2 1x1
+    conv, without the CPU kernel that computes a strided 1x1 conv's weight gradient on channels-last
+    input (oneDNN's ``jit_1x1`` "reduce to unit stride" path). With fewer than 8 input channels on an
+    AVX2 CPU (oneDNN issue 6035) that kernel writes past its workspace: wrong gradients, hangs or a
+    crash, and CIFAR's augmentation hands the model channels-last minibatches.
+    """
 
     def __init__(self, in_ch: int, out_ch: int, stride: int, norm: str, groups: int) -> None:
         super().__init__()
+        self.stride = stride
         self.conv1 = nn.Conv2d(in_ch, out_ch, 3, stride=stride, padding=1, bias=False)
         self.bn1 = make_norm(norm, out_ch, groups)
         self.conv2 = nn.Conv2d(out_ch, out_ch, 3, stride=1, padding=1, bias=False)
@@ -34,13 +42,13 @@ class BasicBlock(nn.Module):
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or in_ch != out_ch:
             self.shortcut = nn.Sequential(
-                nn.Conv2d(in_ch, out_ch, 1, stride=stride, bias=False), make_norm(norm, out_ch, groups)
+                nn.Conv2d(in_ch, out_ch, 1, bias=False), make_norm(norm, out_ch, groups)
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
-        return self.relu(out + self.shortcut(x))
+        return self.relu(out + self.shortcut(x[:, :, :: self.stride, :: self.stride]))
 
 
 class GlobalMeanPool(nn.Module):
