@@ -55,8 +55,8 @@ def test_document_rebuilds_from_its_artefacts_unchanged(doc, rebuilt):
 def test_artefacts_stay_small_and_name_no_machine_path():
     assert rc.artefact_bytes() < rc.MAX_ARTEFACT_BYTES
     for path in rc.DATA.rglob("*"):
-        if path.is_file() and path.suffix in (".json", ".yaml"):
-            text = path.read_text()
+        if path.is_file() and path.suffix in (".json", ".gz"):
+            text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
             assert str(rc.REPO) not in text and "/tmp/" not in text, path
 
 
@@ -314,7 +314,7 @@ def test_a_run_leaves_an_artefact_that_loads_back_and_is_not_rerun(tmp_path):
     cpu = stats_["row_cpu_s"]  # the process's CPU time at each metrics row
     assert len(cpu) == 2 and 0 < cpu[0] <= cpu[1] <= stats_["cpu_s"]
     folder = art / "digits" / "fedavg" / "s3"
-    assert sorted(p.name for p in folder.iterdir()) == ["config.yaml", "metrics.jsonl.gz", "run.json", "summary.json"]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.yaml.gz", "metrics.jsonl.gz", "run.json", "summary.json"]
     first = (folder / "metrics.jsonl.gz").read_bytes()
     rows = [json.loads(x) for x in (runs / job.name / "metrics.jsonl").read_text().splitlines()]
     assert [json.loads(x) for x in gzip.decompress(first).decode().splitlines()] == rows
@@ -330,8 +330,9 @@ def test_a_run_leaves_an_artefact_that_loads_back_and_is_not_rerun(tmp_path):
     rc.run_job(job, runs, art, rc.code_snapshot("worktree"))  # the artefact exists: nothing runs
     assert not runs.exists()
     (runs / "x").mkdir(parents=True)
-    for name in ("summary.json", "config.yaml", "metrics.jsonl"):
+    for name in ("summary.json", "metrics.jsonl"):
         shutil.copy(folder / name if name != "metrics.jsonl" else folder / "run.json", runs / "x" / name)
+    (runs / "x" / "config.yaml").write_bytes(gzip.decompress((folder / "config.yaml.gz").read_bytes()))
     (runs / "x" / "run.json").write_text(json.dumps({"note": f"{tmp_path}/somewhere"}))
     with pytest.raises(ValueError, match="machine path"):
         rc.export_artefact(runs / "x", tmp_path / "refused")
@@ -371,7 +372,7 @@ def _fake_artefact(folder, accs, cpu_per_round, overrides=()):
     rows = [{"round": r, **({"test_accuracy": accs[r // 2 - 1]} if r % 2 == 0 else {})} for r in range(1, 2 * len(accs) + 1)]
     (folder / "metrics.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
     (folder / "summary.json").write_text(json.dumps({"seed": int(folder.name[1:])}))
-    (folder / "config.yaml").write_text("seed: 0\n")
+    (folder / "config.yaml.gz").write_bytes(gzip.compress(b"seed: 0\n"))
     cpu = [5 + cpu_per_round * (i + 1) for i in range(len(rows))]
     (folder / "run.json").write_text(json.dumps({"cpu_s": cpu[-1], "commit": "abc", "row_cpu_s": cpu,
                                                  "overrides": list(overrides)}))
