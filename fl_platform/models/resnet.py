@@ -33,7 +33,6 @@ class BasicBlock(nn.Module):
 
     def __init__(self, in_ch: int, out_ch: int, stride: int, norm: str, groups: int) -> None:
         super().__init__()
-        self.stride = stride
         self.conv1 = nn.Conv2d(in_ch, out_ch, 3, stride=stride, padding=1, bias=False)
         self.bn1 = make_norm(norm, out_ch, groups)
         self.conv2 = nn.Conv2d(out_ch, out_ch, 3, stride=1, padding=1, bias=False)
@@ -48,7 +47,8 @@ class BasicBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
-        return self.relu(out + self.shortcut(x[:, :, :: self.stride, :: self.stride]))
+        step = self.conv1.stride[0]  # the block's stride: the shortcut subsamples as conv1 strides
+        return self.relu(out + self.shortcut(x[:, :, ::step, ::step]))
 
 
 class GlobalMeanPool(nn.Module):
