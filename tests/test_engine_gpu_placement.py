@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,33 @@ def test_evaluation_goes_to_a_gpu_of_the_drivers_node_by_default_when_the_worker
     assert not evaluates_on_gpu("auto", gpu_workers=False, driver_gpus=8)  # CPU workers: the driver's CPU
     assert not evaluates_on_gpu("cpu", gpu_workers=True, driver_gpus=8)
     assert evaluates_on_gpu("cuda", gpu_workers=False, driver_gpus=8)
+
+
+def test_a_worker_ray_gave_no_gpu_trains_on_the_cpu_even_where_cuda_is_visible(monkeypatch):
+    """engine.device=auto is decided by the GPU ids Ray assigned the worker, not by the CUDA devices its
+    process sees (Ray's override that hides them from actors without GPUs is being retired): a RayWorker
+    built where CUDA looks available but Ray gave no GPU holds its data and model on the CPU.
+    ``engine.device=cuda`` without GPU ids is refused, naming the setting."""
+    import ray
+    import torch
+
+    from fl_platform.engine.ray_actors import RayWorker, worker_device
+    from fl_platform.experiment import load_data, make_setup
+    from fl_platform.run_config import read_config
+
+    from .conftest import compose_config
+
+    run = read_config(compose_config("dataset=digits", "num_clients=4", "clients_per_round=2", "model=mlp",
+                                     "engine.threads_per_worker=1"))
+    setup = make_setup(run, load_data(run))
+    assert setup.device == "auto"
+    blocks = list(setup.dataset.train_blocks)
+    shipped = replace(setup, dataset=setup.dataset.without_training_features())
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a node's GPUs visible to the process
+    worker = RayWorker(0, shipped, None, *blocks)
+    assert worker.device == torch.device("cpu")
+    assert worker.fm.vector.device.type == "cpu" and worker.data.device.type == "cpu"
+    assert worker_device("auto", ["3"]) == "auto" and worker_device("cpu", ["3"]) == "cpu"
+    with pytest.raises(RuntimeError, match=r"engine\.device=cuda but Ray assigned this worker no GPU"):
+        worker_device("cuda", [])

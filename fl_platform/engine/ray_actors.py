@@ -17,6 +17,7 @@ import contextlib
 import logging
 import shutil
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,23 @@ def check_gpu_device(device: str) -> None:
         f"engine.device={device}; set engine.device=cpu to train on the CPUs instead")
 
 
+def worker_device(device: str, gpu_ids: Sequence[str]) -> str:
+    """The device a worker trains on, decided by the GPU ids Ray assigned it (``gpu_ids``), never by the
+    CUDA devices the process can see: ``auto`` without GPU ids is the CPU. Why: Ray hides a node's GPUs
+    from an actor without GPUs only through an override of CUDA_VISIBLE_DEVICES that it is retiring
+    (``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0``); without it, such a worker would train on a GPU the
+    placement never gave it, beside the workers that hold it. ``cuda`` without GPU ids cannot happen
+    through the placement (it gives every worker of a CUDA run a GPU bundle) and is refused."""
+    if gpu_ids or device == "cpu":
+        return device
+    if device == "auto":
+        return "cpu"
+    import socket
+
+    raise RuntimeError(f"engine.device={device} but Ray assigned this worker no GPU (host {socket.gethostname()}): "
+                       "a worker trains only on the GPUs its placement gave it")
+
+
 class RayWorker(Worker):
     """The actor class: every result that carries tensors leaves as a Packed message."""
 
@@ -79,7 +97,10 @@ class RayWorker(Worker):
     def __init__(self, worker_id: int, setup: Any, options: WorkerOptions, *blocks: Any) -> None:
         """``blocks``: the training features' row blocks, shipped apart from ``setup`` (views of the
         node's object-store copies)."""
+        import ray
+
         check_gpu_device(setup.device)
+        setup = replace(setup, device=worker_device(setup.device, ray.get_gpu_ids()))
         setup.dataset.attach_training_features(blocks)
         super().__init__(worker_id, setup, options)
         self._eval_sets: dict[str, tuple[str, Any, Any]] = {}  # name -> (object id, features, labels) here
