@@ -19,7 +19,9 @@ pass really runs in bfloat16, and a run with ``train.channels_last`` trains, fin
 from fp32; ``train.compile`` on the CNN); ``ray-1-worker-per-gpu`` and ``ray-2-workers-per-gpu``
 (CUDA in every worker, one GPU id per worker, every GPU used and the workers spread evenly over the
 distinct GPU ids, the driver's evaluation on a GPU, equal to inline within GPU float tolerance,
-``worker_busy_frac`` printed); ``worker-eval`` (``engine.eval_device=worker``: worker 0 evaluates
+``worker_busy_frac`` printed); ``gpu-less-worker`` (``engine.device=auto`` workers of a Ray that declares
+no GPUs train on the CPU although CUDA is visible to them: a child process, Ray's CUDA_VISIBLE_DEVICES
+override for GPU-less actors off); ``worker-eval`` (``engine.eval_device=worker``: worker 0 evaluates
 on its GPU, the row equal to the driver's evaluation); ``cohort-size-auto`` (vectorised cohorts sized from the worker's GPU
 share, CNN); ``vmap-batchnorm`` (ResNet-18 with BatchNorm trained as a vmapped cohort on CUDA,
 the cohort path really taken, equal to one-by-one training within tolerance); ``scaffold-
@@ -40,6 +42,7 @@ tests/test_sync_free.py instead of CUDA's sync debug mode. A dry run proves the 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -153,6 +156,29 @@ def check_workers(rows: list[dict], t: Target, workers: int) -> str:
     # Two workers on one GPU id must be on one physical device: the CUDA device each reports is its
     # visible device 0 (Ray sets CUDA_VISIBLE_DEVICES to its ids), so the ids are what tells them apart.
     return f"{len(load)} distinct GPU ids {sorted(g for _, g in load)}, {dict(Counter(load.values()))} loads"
+
+
+def gpu_less_workers(root: str) -> dict:
+    """(Run by ``gpu-less-worker`` in a child process, with RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0.) A
+    Ray instance of its own that declares no GPUs: what a GPU-less Ray task sees of CUDA, and the
+    device and GPU ids of two ``engine.device=auto`` workers of a one-round CNN run."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    try:
+        @ray.remote(num_gpus=0)
+        def sees() -> dict:
+            import torch
+
+            return {"cuda": torch.cuda.is_available(), "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+        seen = ray.get(sees.remote(), timeout=120)
+        with tempfile.TemporaryDirectory() as tmp:
+            run(cnn(Target(False, 0, Path(root)), "engine=ray", "engine.num_workers=2", "rounds=1"), Path(tmp))
+            workers = json.loads((Path(tmp) / "run.json").read_text())["workers"]
+        return {"seen": seen, "workers": [[w["device"], w["gpu_ids"]] for w in workers]}
+    finally:
+        ray.shutdown()
 
 
 def checks(t: Target) -> list[tuple[str, Callable[[], str]]]:
@@ -379,6 +405,32 @@ def checks(t: Target) -> list[tuple[str, Callable[[], str]]]:
         return (f"forward in bfloat16; ResNet-18 bf16 + channels_last 2 rounds in {secs:.1f} s (acc {acc:.3f}, "
                 f"max |w - fp32| = {diff:.1e}); CNN with train.compile=true in {secs2:.1f} s (compile included)")
 
+    def gpu_less_worker() -> str:
+        """engine.device=auto workers that Ray gave no GPU train on the CPU although their process sees
+        CUDA (ray_actors.worker_device): a child process starts a Ray of its own that declares no GPUs,
+        with Ray's override that hides CUDA from GPU-less actors off (RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0,
+        its coming default), so its actors see this machine's GPUs."""
+        import subprocess
+
+        with tempfile.TemporaryDirectory(prefix="fl-ray-") as tmp:
+            env = {**os.environ, "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0", "RAY_TMPDIR": tmp}
+            code = (f"import json, sys; sys.path.insert(0, {str(REPO / 'scripts')!r}); import gpu_smoke; "
+                    f"print(json.dumps(gpu_smoke.gpu_less_workers({str(t.root)!r})))")
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env,
+                                  cwd=REPO)
+        expect(proc.returncode == 0, f"the child run failed (exit {proc.returncode}): {proc.stderr[-1500:]}")
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        expect(bool(lines), f"the child printed no result: {proc.stdout[-1000:]} {proc.stderr[-1000:]}")
+        out = json.loads(lines[-1])
+        expect(all(dev == "cpu" and not ids for dev, ids in out["workers"]),
+               f"a worker Ray gave no GPU trained on {out['workers']} (device, GPU ids)")
+        seen = out["seen"]
+        if not t.dry:  # on a GPU the case must really arise, else the check tested nothing
+            expect(seen["cuda"], f"Ray hid CUDA from a GPU-less task (CUDA_VISIBLE_DEVICES="
+                                 f"{seen['CUDA_VISIBLE_DEVICES']!r}): the case this check is for did not arise")
+        return (f"2 workers on cpu, no GPU ids; a GPU-less task saw CUDA: {seen['cuda']} "
+                f"(CUDA_VISIBLE_DEVICES={seen['CUDA_VISIBLE_DEVICES']!r})")
+
     out.append(("cuda", cuda))
     out.append(("inline-resnet18", inline))
     out.append(("sync-free-loop", sync_free))
@@ -388,6 +440,7 @@ def checks(t: Target) -> list[tuple[str, Callable[[], str]]]:
     out.append(("ray-1-worker-per-gpu", ray(1)))
     out.append(("ray-2-workers-per-gpu", ray(2)))
     out.append(("worker-eval", worker_eval))
+    out.append(("gpu-less-worker", gpu_less_worker))
     out.append(("cohort-size-auto", cohort_auto))
     out.append(("vmap-batchnorm", vmap_batchnorm))
     out.append(("scaffold-distributed-state", scaffold))
