@@ -48,45 +48,38 @@ def node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def check_gpu_device(device: str) -> None:
-    """Fail loud: a worker that Ray gave GPUs trains on CUDA, or the run stops here naming the node, the
-    torch build and what is missing (``engine.device=cpu`` asks for CPU training explicitly, and then
-    Ray gives no GPU). Without this, ``auto`` on a node whose torch has no CUDA trained on the CPU unnoticed."""
+def worker_device(device: str, gpu_ids: Sequence[str]) -> str:
+    """The device a worker trains on, decided by the GPU ids Ray assigned it (``gpu_ids``), never by the
+    CUDA devices the process can see; or the run stops here saying why.
+
+    Without GPU ids, ``auto`` is the CPU: Ray hides a node's GPUs from an actor without GPUs only through
+    an override of CUDA_VISIBLE_DEVICES that it is retiring (``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0``), and
+    such a worker would otherwise train on a GPU the placement never gave it, beside the workers that hold
+    it; ``cuda`` cannot happen through the placement (it gives every worker of a CUDA run a GPU bundle)
+    and is refused. With GPU ids the worker trains on CUDA, or (fail loud) the run stops naming the node,
+    the torch build and what is missing (``engine.device=cpu`` asks for CPU training explicitly, and then
+    Ray gives no GPU); before, ``auto`` on a node whose torch has no CUDA trained on the CPU unnoticed."""
     import os
     import socket
 
-    import ray
     import torch
 
-    gpus = ray.get_gpu_ids()
-    if not gpus or device == "cpu" or torch.cuda.is_available():
-        return
+    if not gpu_ids:
+        if device in ("cpu", "auto"):
+            return "cpu"
+        raise RuntimeError(f"engine.device={device} but Ray assigned this worker no GPU (host {socket.gethostname()}): "
+                           "a worker trains only on the GPUs its placement gave it")
+    if device == "cpu" or torch.cuda.is_available():
+        return device
     if torch.version.cuda is None:
         missing = "this torch is a CPU-only build (install a CUDA build of torch on that node)"
     else:
         missing = (f"this CUDA build sees no device (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}; "
                    f"check the NVIDIA driver on that node)")
     raise RuntimeError(
-        f"Ray gave this worker GPU(s) {[str(g) for g in gpus]} on node {node_id()[:12]} ({socket.gethostname()}), "
+        f"Ray gave this worker GPU(s) {[str(g) for g in gpu_ids]} on node {node_id()[:12]} ({socket.gethostname()}), "
         f"but it cannot train on CUDA: torch {torch.__version__}, torch.version.cuda={torch.version.cuda}: {missing}. "
         f"engine.device={device}; set engine.device=cpu to train on the CPUs instead")
-
-
-def worker_device(device: str, gpu_ids: Sequence[str]) -> str:
-    """The device a worker trains on, decided by the GPU ids Ray assigned it (``gpu_ids``), never by the
-    CUDA devices the process can see: ``auto`` without GPU ids is the CPU. Why: Ray hides a node's GPUs
-    from an actor without GPUs only through an override of CUDA_VISIBLE_DEVICES that it is retiring
-    (``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0``); without it, such a worker would train on a GPU the
-    placement never gave it, beside the workers that hold it. ``cuda`` without GPU ids cannot happen
-    through the placement (it gives every worker of a CUDA run a GPU bundle) and is refused."""
-    if gpu_ids or device == "cpu":
-        return device
-    if device == "auto":
-        return "cpu"
-    import socket
-
-    raise RuntimeError(f"engine.device={device} but Ray assigned this worker no GPU (host {socket.gethostname()}): "
-                       "a worker trains only on the GPUs its placement gave it")
 
 
 class RayWorker(Worker):
@@ -99,7 +92,6 @@ class RayWorker(Worker):
         node's object-store copies)."""
         import ray
 
-        check_gpu_device(setup.device)
         setup = replace(setup, device=worker_device(setup.device, ray.get_gpu_ids()))
         setup.dataset.attach_training_features(blocks)
         super().__init__(worker_id, setup, options)
