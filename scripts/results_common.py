@@ -809,8 +809,7 @@ def tuning_scores(s: Setting, cells: dict[str, dict[int, Run]], algorithm: str) 
 def choose_tuned(settings: Sequence[Setting], cells: dict[str, dict[int, Run]]) -> None:
     """Fill each setting's ``chosen`` from its tuning runs: per algorithm, the combination with the highest
     validation accuracy (the first in grid order on a tie), once every combination has all its seeds. A
-    setting without a grid keeps the values it was given (heterogeneity.md's 200-round rows take the 30-round
-    tuning's)."""
+    setting without a grid keeps the values it was given."""
     for s in settings:
         if s.tuning is None:
             continue

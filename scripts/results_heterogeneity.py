@@ -291,9 +291,11 @@ def baseline_verdicts(s: Setting, cells: dict[str, dict[int, rc.Run]]
 def rows_intro(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> str:
     """How the setting's rows got their learning rates: tuned here, or set by hand."""
     if s.tuning is not None:
-        return rc.tuning_section(s, cells, LABELS, ". Every row below (the noise floor, FedAvg run longer and the "
-                                 "ablations too) runs at its algorithm's chosen values on all of the clients' training "
-                                 "rows, in place of the setting's train.lr=0.05") + "\nRows:\n"
+        also = "the noise floor, FedAvg run longer" + (
+            " and the ablations" if any(r.tag not in (*MAIN, NOISE, LONG) for r in s.rows) else "")
+        return rc.tuning_section(s, cells, LABELS, f". Every row below ({also} too) runs at its algorithm's chosen "
+                                 "values on all of the clients' training rows, in place of the setting's "
+                                 "train.lr=0.05") + "\nRows:\n"
     if s.preset is None:
         return "Rows (not tuned: every algorithm at the setting's hand-set train.lr=0.05, FedProx at mu = 0.1):\n"
     return "Rows:\n"
