@@ -731,7 +731,8 @@ def test_fednova_note_follows_the_logged_step_counts():
 
 def test_equal_compute_times_a_row_on_runs_of_fedavgs_sweeps():
     """CPU time measured under another load of the shared machine is not comparable: a row's cost comes from its
-    runs made at a commit of FedAvg's runs; a row with none is left out and named."""
+    runs made at a commit of FedAvg's runs; a row with none is left out and named, and the main table marks the
+    CPU seconds of a row with runs outside FedAvg's sweeps."""
     def cell(commit, cost, rounds=4, seeds=range(3)):
         rows = [{"round": r, "test_accuracy": 0.5 + 0.01 * r} for r in range(1, rounds + 1)]
         return {k: {"name": f"s{k}", "rows": rows, "stats": {"commit": commit, "cpu_s": 1.0,
@@ -743,6 +744,13 @@ def test_equal_compute_times_a_row_on_runs_of_fedavgs_sweeps():
     text = rc.equal_compute_table(s, cells, ["x", "y"])
     assert "| X | 2.00 (1 runs) | 4 |" in text
     assert "Left out, no run timed in those sweeps: Y." in text and "| Y |" not in text
+    # the main table's CPU columns mark the rows whose runs are not all in FedAvg's sweeps, and say why
+    table, _ = rc.main_table(s, {**cells, "z/y": cell("a", 3.0)}, ["fedavg", "y", "x"])
+    lines = {line.split(" | ")[0]: line for line in table.splitlines() if line.startswith("| ")}
+    assert lines["| Y"].endswith("| 3 | 1 |") and lines["| X"].endswith("| 9 † | 1 † |")
+    assert lines["| FEDAVG"].endswith("| 1 | 1 |") and table.count("†") == 3
+    assert "\n\n† Some or all of the row's runs were made at a commit none of FedAvg's runs" in table
+    assert "†" not in rc.main_table(s, cells, ["fedavg"])[0]
 
 
 def test_oneshot_labels_budgets_and_claims_quote_what_the_rows_ran():
