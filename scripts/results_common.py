@@ -809,8 +809,7 @@ def tuning_scores(s: Setting, cells: dict[str, dict[int, Run]], algorithm: str) 
 def choose_tuned(settings: Sequence[Setting], cells: dict[str, dict[int, Run]]) -> None:
     """Fill each setting's ``chosen`` from its tuning runs: per algorithm, the combination with the highest
     validation accuracy (the first in grid order on a tie), once every combination has all its seeds. A
-    setting without a grid keeps the values it was given (heterogeneity.md's 200-round rows take the 30-round
-    tuning's)."""
+    setting without a grid keeps the values it was given."""
     for s in settings:
         if s.tuning is None:
             continue
@@ -960,22 +959,31 @@ def machines(cells: dict[str, dict[int, Run]]) -> str:
     return ", on " + ", ".join(f"{k} ({n} run{'s' if n > 1 else ''})" for k, n in sorted(count.items()))
 
 
+def in_fedavg_sweeps(r: dict[int, Run], fedavg: dict[int, Run]) -> list[Run]:
+    """A row's runs made at a commit FedAvg's runs were made at: the same code in the same sweep of the shared
+    machine, the only runs whose CPU time compares with FedAvg's (another load or another machine changes it)."""
+    sweeps = {run["stats"].get("commit") for run in fedavg.values()}
+    return [run for run in r.values() if run["stats"].get("commit") in sweeps]
+
+
 def main_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str],
                extra: dict[str, Callable[[str, dict[int, Run]], str]] | None = None) -> tuple[str, dict[str, Interval]]:
     """Rows ``tags`` (those with runs) against FedAvg: seeds, accuracy, FedAvg's accuracy on the same seeds,
     paired difference, p, reading, ``extra`` columns (each cell from the row's tag and its finished runs),
-    CPU seconds per round and per run; returns the table and
-    the differences. A row's numbers are all over the seeds it shares with FedAvg (never two seed sets in one
+    CPU seconds per round and per run (marked where some of the row's runs are not in FedAvg's sweeps, which
+    ``in_fedavg_sweeps`` alone compares); returns the table and the differences. A row's numbers are all over the seeds it shares with FedAvg (never two seed sets in one
     row: a 5-seed row is not set against FedAvg's 10-seed mean)."""
     runs = setting_runs(s, cells)
     base = accuracies(runs["fedavg"])
     header = ["algorithm", "seeds", f"accuracy (mean of the last {K_LAST} evaluations)", "FedAvg on the same seeds",
               "minus FedAvg (paired, 95% CI)", "p", "reading", *(extra or {}), "CPU s per round", "CPU s per run"]
-    rows, diffs = [], {}
+    rows, diffs, marked = [], {}, False
     for tag in tags:
         r, row = runs.get(tag), s.row(tag)
         if not r or row is None:
             continue
+        other = " †" if len(in_fedavg_sweeps(r, runs["fedavg"])) < len(r) else ""
+        marked |= bool(other)
         acc = accuracies(r)
         shared = sorted(set(acc) & set(base))
         d = paired(acc, base)
@@ -985,9 +993,11 @@ def main_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str]
         rows.append([row.label, seed_count(s, cells, tag, len(shared)), fmt_mean(interval([acc[k] for k in shared])),
                      "-" if same else fmt_mean(interval([base[k] for k in shared])), "-" if same else fmt_diff(d),
                      "-" if same else fmt_p(d), "-" if same else reading(d), *(f(tag, r) for f in (extra or {}).values()),
-                     f"{cpu_per_round(r.values()):.3g}",
-                     f"{statistics.fmean(run['stats']['cpu_s'] for run in r.values()):.0f}"])
-    return md_table(header, rows), diffs
+                     f"{cpu_per_round(r.values()):.3g}{other}",
+                     f"{statistics.fmean(run['stats']['cpu_s'] for run in r.values()):.0f}{other}"])
+    note = ("\n† Some or all of the row's runs were made at a commit none of FedAvg's runs was made at (another sweep, "
+            "possibly another machine): its CPU seconds do not compare with FedAvg's.\n") if marked else ""
+    return md_table(header, rows) + note, diffs
 
 
 def fednova_note(runs: dict[str, dict[int, Run]]) -> str:
@@ -1075,14 +1085,14 @@ def equal_compute_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequ
     if not long or not fedavg:
         return ""
     base_cost = cpu_per_round(fedavg.values())
-    sweeps = {run["stats"].get("commit") for run in fedavg.values()}
+    sweeps = {run["stats"].get("commit") for run in fedavg.values()}  # named in the text below
     eval_rounds = [r for r, _ in evaluations(next(iter(long.values())))]
     rows, left_out = [], []
     for tag in tags:
         r = runs.get(tag)
         if not r:
             continue
-        timed = [run for run in r.values() if run["stats"].get("commit") in sweeps]
+        timed = in_fedavg_sweeps(r, fedavg)
         if not timed:
             left_out.append(s.row(tag).label)
             continue

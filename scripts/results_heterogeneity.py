@@ -146,8 +146,9 @@ def cpu_paper(name: str, rounds: int, ablations: bool, tuned: bool) -> dict[str,
 def cpu_settings(budget: str, horizon: bool = False) -> list[Setting]:
     """The CPU settings at 30 rounds with their ablations, or (``horizon``: ``--preset long``, issue 28 item 4)
     at 200 rounds past the transient, evaluated every 10, with FedAvg to 500 rounds for the equal-compute rows
-    and no ablations; those rows run at the values the 30-round tuning chose (``chosen_at_30_rounds``):
-    re-tuning at 200 rounds would cost ~7x the grid."""
+    and no ablations; each horizon setting has its own grid, run at 200 rounds on the same validation split and
+    tuning seeds, and its rows run at what that grid chooses: the 30-round grid's choices diverged at 200 rounds
+    (FEMNIST SCAFFOLD at lr 0.1 on every seed, heterogeneity_long.md)."""
     tiny = budget == "tiny"
     seeds5, seeds10 = ([0, 1], [0, 1]) if tiny else (SEEDS5, SEEDS10)
     data = {
@@ -174,9 +175,8 @@ def cpu_settings(budget: str, horizon: bool = False) -> list[Setting]:
     for name, (title, overrides) in data.items():
         batch = int(next(o for o in overrides if o.startswith("train.batch_size=")).split("=")[1])
         # 10 seeds for every main row: a verdict rests on FedImpro / VHL against each of them (README.md)
-        # every row then runs at its algorithm's chosen values (the ablations too); the 200-round rows always
-        # do, and wait until the 30-round tuning of their setting has chosen them
-        tuned = name in TUNED or horizon
+        # every row then runs at its algorithm's chosen values (the ablations too)
+        tuned = name in TUNED
         rows = [Row(a, LABELS[a], a, [], seeds10, tuned=tuned) for a in MAIN]
         rows += [rc.noise_row(seeds10, tuned=tuned),
                  Row(LONG, f"FedAvg, {long_rounds} rounds", "fedavg", [f"rounds={long_rounds}"], seeds10,
@@ -186,21 +186,9 @@ def cpu_settings(budget: str, horizon: bool = False) -> list[Setting]:
         tuning = rc.Tuning(TINY_GRIDS if tiny else GRIDS, (100,) if tiny else (100, 101)) if name in TUNED else None
         out.append(Setting(name, title, [*overrides, *MODEL, *OPTIM], rounds, rows,
                            cpu_algorithm_overrides(name, rounds, batch, tiny),
-                           paper=cpu_paper(name, rounds, not horizon, tuned), tuning=None if horizon else tuning,
+                           paper=cpu_paper(name, rounds, not horizon, tuned), tuning=tuning,
                            metrics=LONG_METRICS if horizon else None))
-    if horizon:
-        for s, chosen in zip(out, chosen_at_30_rounds(budget)):
-            s.chosen.update(chosen)  # kept by choose_tuned: these settings have no grid of their own
     return out
-
-
-def chosen_at_30_rounds(budget: str) -> list[dict[str, tuple[str, ...]]]:
-    """Per CPU setting, the values heterogeneity.md's 30-round tuning chose, from its committed artefacts (the
-    tiny check's: data/heterogeneity_tiny); empty for an algorithm whose grid is not all in."""
-    settings = cpu_settings(budget)
-    folder = rc.DATA / (DOC + ("_tiny" if budget == "tiny" else ""))
-    rc.choose_tuned(settings, rc.load_cells(folder) if folder.exists() else {})
-    return [dict(s.chosen) for s in settings]
 
 
 # GPU: the papers' main settings (conf/experiment/*.yaml); the specs have no numbers ("not retrieved").
@@ -301,14 +289,13 @@ def baseline_verdicts(s: Setting, cells: dict[str, dict[int, rc.Run]]
 
 
 def rows_intro(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> str:
-    """How the setting's rows got their learning rates: tuned here, taken from the 30-round tuning, or set by hand."""
+    """How the setting's rows got their learning rates: tuned here, or set by hand."""
     if s.tuning is not None:
-        return rc.tuning_section(s, cells, LABELS, ". Every row below (the noise floor, FedAvg run longer and the "
-                                 "ablations too) runs at its algorithm's chosen values on all of the clients' training "
-                                 "rows, in place of the setting's train.lr=0.05") + "\nRows:\n"
-    if any(row.tuned for row in s.rows):
-        return ("Rows (each at the values heterogeneity.md's 30-round tuning chose on the validation split, in place "
-                "of the setting's train.lr=0.05; its Tuning table):\n")
+        also = "the noise floor, FedAvg run longer" + (
+            " and the ablations" if any(r.tag not in (*MAIN, NOISE, LONG) for r in s.rows) else "")
+        return rc.tuning_section(s, cells, LABELS, f". Every row below ({also} too) runs at its algorithm's chosen "
+                                 "values on all of the clients' training rows, in place of the setting's "
+                                 "train.lr=0.05") + "\nRows:\n"
     if s.preset is None:
         return "Rows (not tuned: every algorithm at the setting's hand-set train.lr=0.05, FedProx at mu = 0.1):\n"
     return "Rows:\n"
@@ -322,10 +309,7 @@ def build(settings: list[Setting], cells: dict[str, dict[int, rc.Run]], plots: P
     for s in settings:
         runs = rc.setting_runs(s, cells)
         if not runs["fedavg"]:
-            waits = not s.ready(s.row("fedavg")) and s.tuning is None  # (--preset long before the 30-round grid)
-            sections.append(rc.setting_header(s) + "Not run yet" + (
-                ": its rows wait for the values heterogeneity.md's 30-round tuning of this setting chooses" if waits
-                else "") + ".\n")
+            sections.append(rc.setting_header(s) + "Not run yet.\n")
             continue
         tags = [t for t in [*MAIN, NOISE] if s.row(t)]
         table, diffs = rc.main_table(s, cells, tags, {"PredShift accuracy": _predshift,

@@ -682,29 +682,39 @@ def test_the_heterogeneity_rows_are_tuned_with_the_issues_grid_setting_by_settin
         assert len(s.tuning_jobs()) == 2 * (5 * len(het.LRS) + len(het.LRS) * 4)
 
 
-def test_the_long_horizon_runs_at_the_values_the_30_round_tuning_chose(monkeypatch, tmp_path):
-    """--preset long: 200 rounds (FedAvg to 500), evaluated every 10, no ablations, each row at the 30-round
-    tuning's choice, kept by choose_tuned (no grid of its own); without a choice its rows wait, never run at 0.05."""
+def test_the_long_horizon_runs_at_the_values_its_own_200_round_grid_chose():
+    """--preset long: 200 rounds (FedAvg to 500), evaluated every 10, no ablations; each setting has its own grid
+    at 200 rounds (same rates, mu values, validation split and tuning seeds), its rows run at what that grid
+    chooses and wait while it is incomplete: never at the hand-set 0.05, never at the 30-round choice."""
     het = importlib.import_module("results_heterogeneity")
-    chosen = {"fedavg": ("train.lr=0.2",), "fedprox": ("train.lr=0.1", "algorithm.mu=0.001")}
-    monkeypatch.setattr(het, "chosen_at_30_rounds", lambda budget: [chosen, {}])
     fm, fe = het.settings_of("full", "long")
-    rc.choose_tuned([fm, fe], {})
+    short = het.settings_of("full", "cpu")
+    for s, s30 in zip((fm, fe), short):
+        assert s.tuning is not None and s.tuning.seeds == s30.tuning.seeds == (100, 101)
+        assert s.tuning.grids == s30.tuning.grids
+    grid = {j.name: rc.resolved(j.overrides) for j in rc.setting_jobs([fm, fe])}  # nothing chosen: only the grids
+    assert grid["fashion_mnist/tune/fedprox/train.lr0.2_algorithm.mu0.001/s101"]["rounds"] == "200"
+    assert grid["fashion_mnist/tune/fedprox/train.lr0.2_algorithm.mu0.001/s101"]["eval_every"] == "10"
+    assert {name.split("/")[1] for name in grid} == {"tune"}
+    def run(seed, acc):
+        return {"name": f"s{seed}", "config": {}, "summary": {}, "stats": {},
+                "rows": [{"round": r, "val_accuracy": acc} for r in range(10, 201, 10)]}
+    cells = {f"{fm.name}/tune/fedavg/{rc.combo_tag(c)}": {k: run(k, 0.5 + (0.1 if c == ("train.lr=0.1",) else 0))
+                                                          for k in (100, 101)} for c in fm.tuning.combos("fedavg")}
+    rc.choose_tuned([fm, fe], cells)
+    assert fm.chosen == {"fedavg": ("train.lr=0.1",)} and not fe.chosen
     jobs = {j.name: rc.resolved(j.overrides) for j in rc.setting_jobs([fm, fe])}
-    assert jobs["fashion_mnist/fedavg/s9"]["train.lr"] == "0.2" and jobs["fashion_mnist/fedavg/s9"]["rounds"] == "200"
+    assert jobs["fashion_mnist/fedavg/s9"]["train.lr"] == "0.1" and jobs["fashion_mnist/fedavg/s9"]["rounds"] == "200"
     assert jobs["fashion_mnist/fedavg/s0"]["eval_every"] == "10"
-    assert jobs[f"fashion_mnist/{rc.LONG}/s0"]["rounds"] == "500" and jobs[f"fashion_mnist/{rc.NOISE}/s0"]["train.lr"] == "0.2"
-    assert jobs["fashion_mnist/fedprox/s0"]["algorithm.mu"] == "0.001"
-    assert {name.split("/")[1] for name in jobs} == {"fedavg", "fedprox", rc.NOISE, rc.LONG}  # no ablations
+    assert jobs[f"fashion_mnist/{rc.LONG}/s0"]["rounds"] == "500" and jobs[f"fashion_mnist/{rc.NOISE}/s0"]["train.lr"] == "0.1"
+    assert {name.split("/")[1] for name in jobs} == {"tune", "fedavg", rc.NOISE, rc.LONG}  # no ablations
     # their artefacts keep the columns the document reads (and the losses), not every logged metric
-    assert {j.metrics for j in rc.setting_jobs([fm, fe])} == {het.LONG_METRICS}
+    assert {j.metrics for j in rc.setting_jobs([fm, fe]) if "/tune/" not in j.name} == {het.LONG_METRICS}
+    assert {j.metrics for j in rc.setting_jobs([fm, fe]) if "/tune/" in j.name} == {rc.TUNING_METRICS}
     assert {"round", "test_accuracy", "test_accuracy_predshift", "bytes_up", "tau_eff"} <= set(het.LONG_METRICS)
-    assert all(s.metrics is None for s in het.settings_of("full", "cpu"))  # the 30-round rows keep every column
-    assert set(rc.waiting_rows([fm, fe])) == {f"fashion_mnist/{a}" for a in ("scaffold", "fednova", "fedimpro", "vhl")} | {
-        f"femnist/{r.tag}" for r in fe.rows}
-    monkeypatch.undo()  # the real chosen_at_30_rounds, on no 30-round artefacts: nothing chosen, every row waits
-    monkeypatch.setattr(rc, "DATA", tmp_path)
-    assert all(not s.chosen for s in het.settings_of("full", "long"))
+    assert all(s.metrics is None for s in short)  # the 30-round rows keep every column
+    assert set(rc.waiting_rows([fm, fe])) == {f"fashion_mnist/{a}" for a in ("fedprox", "scaffold", "fednova", "fedimpro",
+                                                                              "vhl")} | {f"femnist/{r.tag}" for r in fe.rows}
 
 
 def test_fednova_note_follows_the_logged_step_counts():
@@ -721,7 +731,8 @@ def test_fednova_note_follows_the_logged_step_counts():
 
 def test_equal_compute_times_a_row_on_runs_of_fedavgs_sweeps():
     """CPU time measured under another load of the shared machine is not comparable: a row's cost comes from its
-    runs made at a commit of FedAvg's runs; a row with none is left out and named."""
+    runs made at a commit of FedAvg's runs; a row with none is left out and named, and the main table marks the
+    CPU seconds of a row with runs outside FedAvg's sweeps."""
     def cell(commit, cost, rounds=4, seeds=range(3)):
         rows = [{"round": r, "test_accuracy": 0.5 + 0.01 * r} for r in range(1, rounds + 1)]
         return {k: {"name": f"s{k}", "rows": rows, "stats": {"commit": commit, "cpu_s": 1.0,
@@ -733,6 +744,13 @@ def test_equal_compute_times_a_row_on_runs_of_fedavgs_sweeps():
     text = rc.equal_compute_table(s, cells, ["x", "y"])
     assert "| X | 2.00 (1 runs) | 4 |" in text
     assert "Left out, no run timed in those sweeps: Y." in text and "| Y |" not in text
+    # the main table's CPU columns mark the rows whose runs are not all in FedAvg's sweeps, and say why
+    table, _ = rc.main_table(s, {**cells, "z/y": cell("a", 3.0)}, ["fedavg", "y", "x"])
+    lines = {line.split(" | ")[0]: line for line in table.splitlines() if line.startswith("| ")}
+    assert lines["| Y"].endswith("| 3 | 1 |") and lines["| X"].endswith("| 9 † | 1 † |")
+    assert lines["| FEDAVG"].endswith("| 1 | 1 |") and table.count("†") == 3
+    assert "\n\n† Some or all of the row's runs were made at a commit none of FedAvg's runs" in table
+    assert "†" not in rc.main_table(s, cells, ["fedavg"])[0]
 
 
 def test_oneshot_labels_budgets_and_claims_quote_what_the_rows_ran():
