@@ -970,9 +970,9 @@ def main_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str]
                extra: dict[str, Callable[[str, dict[int, Run]], str]] | None = None) -> tuple[str, dict[str, Interval]]:
     """Rows ``tags`` (those with runs) against FedAvg: seeds, accuracy, FedAvg's accuracy on the same seeds,
     paired difference, p, reading, ``extra`` columns (each cell from the row's tag and its finished runs),
-    CPU seconds per round and per run (marked where some of the row's runs are not in FedAvg's sweeps, which
-    ``in_fedavg_sweeps`` alone compares); returns the table and the differences. A row's numbers are all over the seeds it shares with FedAvg (never two seed sets in one
-    row: a 5-seed row is not set against FedAvg's 10-seed mean)."""
+    CPU seconds per round and per run (marked where some of the row's runs are not in FedAvg's sweeps,
+    ``in_fedavg_sweeps``); returns the table and the differences. A row's numbers are all over the seeds it
+    shares with FedAvg (never two seed sets in one row: a 5-seed row is not set against FedAvg's 10-seed mean)."""
     runs = setting_runs(s, cells)
     base = accuracies(runs["fedavg"])
     header = ["algorithm", "seeds", f"accuracy (mean of the last {K_LAST} evaluations)", "FedAvg on the same seeds",
