@@ -652,6 +652,7 @@ def plot_cells(groups: dict[str, list[Run]], path: Path, title: str, x: str = "r
 
 NOISE = "fedavg_shuffle"  # the noise-floor row's tag: FedAvg with only its minibatch orders changed
 LONG = "fedavg_long"  # FedAvg run longer, read at the round of equal compute
+AGAIN = "fedavg_again"  # FedAvg's row run again in a later sweep: the CPU time rows run in that sweep are timed against
 TAIL = ["engine=inline", "logger.progress=false", "save_model=false"]  # every run; CPU settings add one thread
 
 
@@ -959,11 +960,18 @@ def machines(cells: dict[str, dict[int, Run]]) -> str:
     return ", on " + ", ".join(f"{k} ({n} run{'s' if n > 1 else ''})" for k, n in sorted(count.items()))
 
 
+def sweep(run: Run) -> tuple:
+    """What two runs' CPU times compare under: the commit (the code, and the sweep of the shared machine it ran
+    in) and the machine run.json records (none before it did); another load or another machine changes CPU time."""
+    machine = run["stats"].get("machine") or {}
+    return run["stats"].get("commit"), tuple(sorted(machine.items()))
+
+
 def in_fedavg_sweeps(r: dict[int, Run], fedavg: dict[int, Run]) -> list[Run]:
-    """A row's runs made at a commit FedAvg's runs were made at: the same code in the same sweep of the shared
-    machine, the only runs whose CPU time compares with FedAvg's (another load or another machine changes it)."""
-    sweeps = {run["stats"].get("commit") for run in fedavg.values()}
-    return [run for run in r.values() if run["stats"].get("commit") in sweeps]
+    """A row's runs made in a sweep of FedAvg's runs (``sweep``): the only runs whose CPU time compares with
+    FedAvg's."""
+    sweeps = {sweep(run) for run in fedavg.values()}
+    return [run for run in r.values() if sweep(run) in sweeps]
 
 
 def main_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str],
@@ -971,8 +979,9 @@ def main_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str]
     """Rows ``tags`` (those with runs) against FedAvg: seeds, accuracy, FedAvg's accuracy on the same seeds,
     paired difference, p, reading, ``extra`` columns (each cell from the row's tag and its finished runs),
     CPU seconds per round and per run (marked where some of the row's runs are not in FedAvg's sweeps,
-    ``in_fedavg_sweeps``); returns the table and the differences. A row's numbers are all over the seeds it
-    shares with FedAvg (never two seed sets in one row: a 5-seed row is not set against FedAvg's 10-seed mean)."""
+    ``in_fedavg_sweeps``: another commit or machine); returns the table and the differences. A row's numbers
+    are all over the seeds it shares with FedAvg (never two seed sets in one row: a 5-seed row is not set
+    against FedAvg's 10-seed mean)."""
     runs = setting_runs(s, cells)
     base = accuracies(runs["fedavg"])
     header = ["algorithm", "seeds", f"accuracy (mean of the last {K_LAST} evaluations)", "FedAvg on the same seeds",
@@ -995,8 +1004,8 @@ def main_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str]
                      "-" if same else fmt_p(d), "-" if same else reading(d), *(f(tag, r) for f in (extra or {}).values()),
                      f"{cpu_per_round(r.values()):.3g}{other}",
                      f"{statistics.fmean(run['stats']['cpu_s'] for run in r.values()):.0f}{other}"])
-    note = ("\n† Some or all of the row's runs were made at a commit none of FedAvg's runs was made at (another sweep, "
-            "possibly another machine): its CPU seconds do not compare with FedAvg's.\n") if marked else ""
+    note = ("\n† Some or all of the row's runs were made in none of FedAvg's sweeps (another commit, or another "
+            "recorded machine): its CPU seconds do not compare with FedAvg's.\n") if marked else ""
     return md_table(header, rows) + note, diffs
 
 
@@ -1074,49 +1083,65 @@ def setting_header(s: Setting) -> str:
     return f"## {s.title}\n\nSetting: {where}\n\n"
 
 
+def sweep_name(key: tuple) -> str:
+    """A ``sweep`` key as the documents name it: the commit's first 10 characters and the recorded CPU."""
+    commit, machine = key
+    return f"{(commit or 'no commit')[:10]}" + (f" on {dict(machine)['cpu']}" if dict(machine).get("cpu") else "")
+
+
 def equal_compute_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequence[str]) -> str:
     """Each row of ``tags`` against FedAvg given the same compute: FedAvg's ``LONG`` run read at the
     evaluated round nearest (CPU seconds per round of the row / FedAvg's) x ``s.rounds``. A row's cost is
-    read from its runs made at a commit FedAvg's runs were made at (the same code, in the same sweep of the
-    shared machine: CPU time measured under another load is not comparable); a row without such runs is
-    left out and named."""
+    read from its runs in a sweep (``sweep``: commit and machine) of FedAvg's own runs or of FedAvg run again
+    (``AGAIN``, for rows run after FedAvg's sweep), over FedAvg's runs of that sweep: CPU time measured on
+    another machine or under another load is not comparable. A row with runs in several of them is timed in
+    the one holding most; a row with none is left out and named."""
     runs = setting_runs(s, cells)
     long, fedavg = runs.get(LONG), runs.get("fedavg")
     if not long or not fedavg:
         return ""
-    base_cost = cpu_per_round(fedavg.values())
-    sweeps = {run["stats"].get("commit") for run in fedavg.values()}  # named in the text below
+    refs = {tag: list(runs.get(tag, {}).values()) for tag in ("fedavg", AGAIN)}
+    ref_sweeps = {sweep(run): tag for tag in reversed(refs) for run in refs[tag]}  # FedAvg's own row wins a tie
     eval_rounds = [r for r, _ in evaluations(next(iter(long.values())))]
     rows, left_out = [], []
     for tag in tags:
         r = runs.get(tag)
         if not r:
             continue
-        timed = in_fedavg_sweeps(r, fedavg)
-        if not timed:
+        groups: dict[tuple, list[Run]] = {}
+        for run in r.values():
+            if sweep(run) in ref_sweeps:
+                groups.setdefault(sweep(run), []).append(run)
+        if not groups:
             left_out.append(s.row(tag).label)
             continue
-        ratio = cpu_per_round(timed) / base_cost
+        key, timed = max(groups.items(), key=lambda kv: len(kv[1]))
+        base = [run for run in refs[ref_sweeps[key]] if sweep(run) == key]
+        ratio = cpu_per_round(timed) / cpu_per_round(base)
         r_eq = equal_compute_round(ratio, s.rounds, eval_rounds)
         acc = accuracies(r)
         at_eq = {seed: final_accuracy(run, upto_round=r_eq) for seed, run in sorted(long.items())}
         short = " (the long run's end: FedAvg gets less than equal compute)" if ratio * s.rounds > max(eval_rounds) + 1 else ""
         d = paired(acc, at_eq)
-        rows.append([s.row(tag).label, f"{ratio:.2f} ({len(timed)} runs)", f"{r_eq}{short}",
-                     fmt_mean(interval([at_eq[k] for k in sorted(set(acc) & set(at_eq))])),
-                     seed_count(s, cells, tag, d.n), fmt_diff(d),
-                     fmt_p(d), reading(d)])
-    header = ["algorithm", "CPU s per round / FedAvg's (runs timed)", "FedAvg's round of equal compute",
-              f"FedAvg there (last {K_LAST} evaluations)", "seeds", "algorithm minus FedAvg at equal compute",
-              "p", "reading"]
+        against = "FedAvg" if ref_sweeps[key] == "fedavg" else f"FedAvg run again (`{AGAIN}`)"
+        there = interval([at_eq[k] for k in sorted(set(acc) & set(at_eq))])
+        rows.append([s.row(tag).label, f"{against}: {len(base)} runs at {sweep_name(key)}",
+                     f"{ratio:.2f} ({len(timed)} runs)", f"{r_eq}{short}", fmt_mean(there),
+                     seed_count(s, cells, tag, d.n), fmt_diff(d), fmt_p(d), reading(d)])
+    header = ["algorithm", "timed against", "CPU s per round / FedAvg's (runs timed)",
+              "FedAvg's round of equal compute", f"FedAvg there (last {K_LAST} evaluations)", "seeds", "algorithm minus FedAvg at equal compute", "p",
+              "reading"]
+    again = (f" Rows run after FedAvg's sweep are timed against `{AGAIN}` ({s.row(AGAIN).label}: FedAvg's row at "
+             "their commit, on their machine)." if s.row(AGAIN) is not None else "")
     return (f"### Equal compute\n\nCompute per round: the median CPU seconds of a round without evaluation over a "
             f"row's runs (the run process's CPU time sampled at every metrics row: local training and aggregation in "
             f"one torch thread; CPU time, unlike `round_time_s`, does not count the waiting on a shared machine). "
             f"FedAvg also runs {max(eval_rounds)} rounds (`{LONG}`, the same seeds); "
             f"a row that costs c times FedAvg per round is compared, seed by seed, with that run's mean of the last "
             f"{K_LAST} evaluations up to round c x {s.rounds} (the nearest evaluated round). {_prefix_check(fedavg, long)} "
-            f"A row's cost is timed on its runs made at a commit of FedAvg's runs ({', '.join(sorted(c[:10] for c in sweeps))}): "
-            "the same sweep of the shared machine, whose load changes CPU time too (contention)."
+            f"A row's cost is timed on its runs made in a sweep of FedAvg's runs, against FedAvg's runs of that sweep "
+            f"(the same commit on the same recorded machine: another machine, or another load on the shared one, "
+            f"changes CPU time).{again}"
             + (f" Left out, no run timed in those sweeps: {', '.join(left_out)}." if left_out else "") + "\n\n"
             + md_table(header, rows))
 

@@ -40,7 +40,7 @@ LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD", "fed
           "vhl": "VHL"}
 MAIN = ["fedavg", "fedprox", "scaffold", "fednova", "fedimpro", "vhl"]
 BASELINES = ["fedprox", "scaffold", "fednova"]  # the papers' other baselines: FedImpro and VHL are paired with each
-NOISE, LONG = rc.NOISE, rc.LONG
+NOISE, LONG, AGAIN = rc.NOISE, rc.LONG, rc.AGAIN
 Row, Setting = rc.Row, rc.Setting
 MODEL = ["model=cnn", "model.channels=[16,32]", "model.hidden=64"]
 OPTIM = ["train.optimizer=sgd", "train.lr=0.05", "train.momentum=0.0", "train.weight_decay=0.0"]
@@ -145,8 +145,8 @@ def cpu_paper(name: str, rounds: int, ablations: bool, tuned: bool) -> dict[str,
 
 def cpu_settings(budget: str, horizon: bool = False) -> list[Setting]:
     """The CPU settings at 30 rounds with their ablations, or (``horizon``: ``--preset long``, issue 28 item 4)
-    at 200 rounds past the transient, evaluated every 10, with FedAvg to 500 rounds for the equal-compute rows
-    and no ablations; each horizon setting has its own grid, run at 200 rounds on the same validation split and
+    at 200 rounds past the transient, evaluated every 10, with FedAvg to 500 rounds for the equal-compute rows,
+    FedAvg's row run again (``AGAIN``: the CPU time of rows run after FedAvg's sweep) and no ablations; each horizon setting has its own grid, run at 200 rounds on the same validation split and
     tuning seeds, and its rows run at what that grid chooses: the 30-round grid's choices diverged at 200 rounds
     (FEMNIST SCAFFOLD at lr 0.1 on every seed, heterogeneity_long.md)."""
     tiny = budget == "tiny"
@@ -181,6 +181,10 @@ def cpu_settings(budget: str, horizon: bool = False) -> list[Setting]:
         rows += [rc.noise_row(seeds10, tuned=tuned),
                  Row(LONG, f"FedAvg, {long_rounds} rounds", "fedavg", [f"rounds={long_rounds}"], seeds10,
                      "FedAvg continued, read at the round of equal compute", tuned=tuned)]
+        if horizon:  # rows re-run after FedAvg's sweep (a new grid choice) are timed against FedAvg run again
+            rows.append(Row(AGAIN, "FedAvg, run again in a later sweep", "fedavg", [], seeds10,
+                            "FedAvg's row again, at the commit (and on the machine) of the rows run after it",
+                            tuned=tuned))
         rows += [Row(tag, tag, alg, extra, seeds5, what, alg, prio, tuned=tuned)
                  for tag, alg, extra, what, datasets, prio in ABLATIONS if name in datasets and not horizon]
         tuning = rc.Tuning(TINY_GRIDS if tiny else GRIDS, (100,) if tiny else (100, 101)) if name in TUNED else None
@@ -291,8 +295,8 @@ def baseline_verdicts(s: Setting, cells: dict[str, dict[int, rc.Run]]
 def rows_intro(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> str:
     """How the setting's rows got their learning rates: tuned here, or set by hand."""
     if s.tuning is not None:
-        also = "the noise floor, FedAvg run longer" + (
-            " and the ablations" if any(r.tag not in (*MAIN, NOISE, LONG) for r in s.rows) else "")
+        also = "the noise floor, FedAvg run longer" + (", FedAvg run again" if s.row(AGAIN) else "") + (
+            " and the ablations" if any(r.tag not in (*MAIN, NOISE, LONG, AGAIN) for r in s.rows) else "")
         return rc.tuning_section(s, cells, LABELS, f". Every row below ({also} too) runs at its algorithm's chosen "
                                  "values on all of the clients' training rows, in place of the setting's "
                                  "train.lr=0.05") + "\nRows:\n"
@@ -311,7 +315,7 @@ def build(settings: list[Setting], cells: dict[str, dict[int, rc.Run]], plots: P
         if not runs["fedavg"]:
             sections.append(rc.setting_header(s) + "Not run yet.\n")
             continue
-        tags = [t for t in [*MAIN, NOISE] if s.row(t)]
+        tags = [t for t in [*MAIN, NOISE, AGAIN] if s.row(t)]
         table, diffs = rc.main_table(s, cells, tags, {"PredShift accuracy": _predshift,
                                                       "bytes up / FedAvg's": _upload_ratio(runs["fedavg"])})
         verdicts += rc.verdict_rows(s, cells, diffs, [t for t in MAIN if s.row(t)]) + baseline_verdicts(s, cells)

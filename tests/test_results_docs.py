@@ -707,7 +707,10 @@ def test_the_long_horizon_runs_at_the_values_its_own_200_round_grid_chose():
     assert jobs["fashion_mnist/fedavg/s9"]["train.lr"] == "0.1" and jobs["fashion_mnist/fedavg/s9"]["rounds"] == "200"
     assert jobs["fashion_mnist/fedavg/s0"]["eval_every"] == "10"
     assert jobs[f"fashion_mnist/{rc.LONG}/s0"]["rounds"] == "500" and jobs[f"fashion_mnist/{rc.NOISE}/s0"]["train.lr"] == "0.1"
-    assert {name.split("/")[1] for name in jobs} == {"tune", "fedavg", rc.NOISE, rc.LONG}  # no ablations
+    assert {name.split("/")[1] for name in jobs} == {"tune", "fedavg", rc.NOISE, rc.LONG, rc.AGAIN}  # no ablations
+    # FedAvg run again (the CPU time of rows run in a later sweep) is FedAvg's row: the same run of each seed
+    assert all(jobs[f"fashion_mnist/{rc.AGAIN}/s{k}"] == jobs[f"fashion_mnist/fedavg/s{k}"] for k in range(10))
+    assert rc.AGAIN not in {r.tag for r in short[0].rows}  # the 30-round rows ran in one sweep with FedAvg
     # their artefacts keep the columns the document reads (and the losses), not every logged metric
     assert {j.metrics for j in rc.setting_jobs([fm, fe]) if "/tune/" not in j.name} == {het.LONG_METRICS}
     assert {j.metrics for j in rc.setting_jobs([fm, fe]) if "/tune/" in j.name} == {rc.TUNING_METRICS}
@@ -730,26 +733,35 @@ def test_fednova_note_follows_the_logged_step_counts():
 
 
 def test_equal_compute_times_a_row_on_runs_of_fedavgs_sweeps():
-    """CPU time measured under another load of the shared machine is not comparable: a row's cost comes from its
-    runs made at a commit of FedAvg's runs; a row with none is left out and named, and the main table marks the
-    CPU seconds of a row with runs outside FedAvg's sweeps."""
-    def cell(commit, cost, rounds=4, seeds=range(3)):
+    """CPU time measured on another machine or under another load is not comparable: a row's cost comes from its
+    runs made in a sweep (commit and recorded machine) of FedAvg's runs or of FedAvg run again, over FedAvg's
+    runs of that sweep; a row with none is left out and named, and the main table marks the CPU seconds of a
+    row with runs outside FedAvg's own sweeps."""
+    def cell(commit, cost, rounds=4, seeds=range(3), machine=None):
         rows = [{"round": r, "test_accuracy": 0.5 + 0.01 * r} for r in range(1, rounds + 1)]
-        return {k: {"name": f"s{k}", "rows": rows, "stats": {"commit": commit, "cpu_s": 1.0,
-                "row_cpu_s": [cost * i for i in range(rounds)]}} for k in seeds}
-    rows = [rc.Row(t, t.upper(), "fedavg", [], [0, 1, 2]) for t in ("fedavg", rc.LONG, "x", "y")]
+        return {k: {"name": f"s{k}", "rows": rows, "stats": {"commit": commit, "cpu_s": 1.0, "row_cpu_s": [
+            cost * i for i in range(rounds)], **({"machine": {"cpu": machine}} if machine else {})}} for k in seeds}
+    rows = [rc.Row(t, t.upper(), "fedavg", [], [0, 1, 2]) for t in ("fedavg", rc.LONG, rc.AGAIN, "x", "y", "w")]
     s = rc.Setting("z", "z", ["dataset=digits"], 2, rows, {"fedavg": []})
     x = {**cell("a", 2.0, seeds=[0]), **cell("late", 9.0, seeds=[1, 2])}  # seeds 1-2 timed under load
-    cells = {"z/fedavg": cell("a", 1.0), f"z/{rc.LONG}": cell("a", 1.0, rounds=8), "z/x": x, "z/y": cell("late", 1.0)}
-    text = rc.equal_compute_table(s, cells, ["x", "y"])
-    assert "| X | 2.00 (1 runs) | 4 |" in text
-    assert "Left out, no run timed in those sweeps: Y." in text and "| Y |" not in text
+    cells = {"z/fedavg": cell("a", 1.0), f"z/{rc.LONG}": cell("a", 1.0, rounds=8), "z/x": x, "z/y": cell("late", 1.0),
+             "z/w": cell("a", 5.0, machine="M")}  # FedAvg's commit, another machine
+    text = rc.equal_compute_table(s, cells, ["x", "y", "w"])
+    assert "| X | FedAvg: 3 runs at a | 2.00 (1 runs) | 4 |" in text
+    assert "Left out, no run timed in those sweeps: Y, W." in text and "| Y |" not in text
+    # FedAvg run again in y's sweep (commit and machine) times y and w against its own runs of that sweep
+    again = {**cell("late", 0.5, seeds=[0, 1]), **cell("a", 2.5, seeds=[2], machine="M")}
+    text = rc.equal_compute_table(s, {**cells, f"z/{rc.AGAIN}": again}, ["x", "y", "w"])
+    assert f"| Y | FedAvg run again (`{rc.AGAIN}`): 2 runs at late | 2.00 (3 runs) | 4 |" in text and "Left out" not in text
+    assert f"| W | FedAvg run again (`{rc.AGAIN}`): 1 runs at a on M | 2.00 (3 runs) | 4 |" in text
+    assert f"| X | FedAvg run again (`{rc.AGAIN}`): 2 runs at late | 18.00 (2 runs) | 8 (the long run's end" in text  # most of x's runs
     # the main table's CPU columns mark the rows whose runs are not all in FedAvg's sweeps, and say why
-    table, _ = rc.main_table(s, {**cells, "z/y": cell("a", 3.0)}, ["fedavg", "y", "x"])
+    table, _ = rc.main_table(s, {**cells, "z/y": cell("a", 3.0)}, ["fedavg", "y", "x", "w"])
     lines = {line.split(" | ")[0]: line for line in table.splitlines() if line.startswith("| ")}
     assert lines["| Y"].endswith("| 3 | 1 |") and lines["| X"].endswith("| 9 † | 1 † |")
-    assert lines["| FEDAVG"].endswith("| 1 | 1 |") and table.count("†") == 3
-    assert "\n\n† Some or all of the row's runs were made at a commit none of FedAvg's runs" in table
+    assert lines["| W"].endswith("| 5 † | 1 † |")
+    assert lines["| FEDAVG"].endswith("| 1 | 1 |") and table.count("†") == 5
+    assert "\n\n† Some or all of the row's runs were made in none of FedAvg's sweeps (another commit" in table
     assert "†" not in rc.main_table(s, cells, ["fedavg"])[0]
 
 
