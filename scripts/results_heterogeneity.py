@@ -146,9 +146,10 @@ def cpu_paper(name: str, rounds: int, ablations: bool, tuned: bool) -> dict[str,
 def cpu_settings(budget: str, horizon: bool = False) -> list[Setting]:
     """The CPU settings at 30 rounds with their ablations, or (``horizon``: ``--preset long``, issue 28 item 4)
     at 200 rounds past the transient, evaluated every 10, with FedAvg to 500 rounds for the equal-compute rows,
-    FedAvg's row run again (``AGAIN``: the CPU time of rows run after FedAvg's sweep) and no ablations; each horizon setting has its own grid, run at 200 rounds on the same validation split and
-    tuning seeds, and its rows run at what that grid chooses: the 30-round grid's choices diverged at 200 rounds
-    (FEMNIST SCAFFOLD at lr 0.1 on every seed, heterogeneity_long.md)."""
+    FedAvg's row run again (``AGAIN``: the CPU time of rows run after FedAvg's sweep) and no ablations; each
+    horizon setting has its own grid, run at 200 rounds on the same validation split and tuning seeds, and its
+    rows run at what that grid chooses: the 30-round grid's choices diverged at 200 rounds (FEMNIST SCAFFOLD at
+    lr 0.1 on every seed, heterogeneity_long.md)."""
     tiny = budget == "tiny"
     seeds5, seeds10 = ([0, 1], [0, 1]) if tiny else (SEEDS5, SEEDS10)
     data = {
