@@ -1101,7 +1101,8 @@ def equal_compute_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequ
     if not long or not fedavg:
         return ""
     refs = {tag: list(runs.get(tag, {}).values()) for tag in ("fedavg", AGAIN)}
-    ref_sweeps = {sweep(run): tag for tag in reversed(refs) for run in refs[tag]}  # FedAvg's own row wins a tie
+    # each sweep's FedAvg runs: FedAvg's own row where FedAvg run again shares its sweep
+    ref_sweeps = {sweep(run): AGAIN for run in refs[AGAIN]} | {sweep(run): "fedavg" for run in refs["fedavg"]}
     eval_rounds = [r for r, _ in evaluations(next(iter(long.values())))]
     rows, left_out = [], []
     for tag in tags:
@@ -1110,8 +1111,8 @@ def equal_compute_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequ
             continue
         groups: dict[tuple, list[Run]] = {}
         for run in r.values():
-            if sweep(run) in ref_sweeps:
-                groups.setdefault(sweep(run), []).append(run)
+            if (key := sweep(run)) in ref_sweeps:
+                groups.setdefault(key, []).append(run)
         if not groups:
             left_out.append(s.row(tag).label)
             continue
@@ -1129,8 +1130,8 @@ def equal_compute_table(s: Setting, cells: dict[str, dict[int, Run]], tags: Sequ
                      f"{ratio:.2f} ({len(timed)} runs)", f"{r_eq}{short}", fmt_mean(there),
                      seed_count(s, cells, tag, d.n), fmt_diff(d), fmt_p(d), reading(d)])
     header = ["algorithm", "timed against", "CPU s per round / FedAvg's (runs timed)",
-              "FedAvg's round of equal compute", f"FedAvg there (last {K_LAST} evaluations)", "seeds", "algorithm minus FedAvg at equal compute", "p",
-              "reading"]
+              "FedAvg's round of equal compute", f"FedAvg there (last {K_LAST} evaluations)", "seeds",
+              "algorithm minus FedAvg at equal compute", "p", "reading"]
     again = (f" Rows run after FedAvg's sweep are timed against `{AGAIN}` ({s.row(AGAIN).label}: FedAvg's row at "
              "their commit, on their machine)." if s.row(AGAIN) is not None else "")
     return (f"### Equal compute\n\nCompute per round: the median CPU seconds of a round without evaluation over a "

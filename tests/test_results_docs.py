@@ -755,6 +755,9 @@ def test_equal_compute_times_a_row_on_runs_of_fedavgs_sweeps():
     assert f"| Y | FedAvg run again (`{rc.AGAIN}`): 2 runs at late | 2.00 (3 runs) | 4 |" in text and "Left out" not in text
     assert f"| W | FedAvg run again (`{rc.AGAIN}`): 1 runs at a on M | 2.00 (3 runs) | 4 |" in text
     assert f"| X | FedAvg run again (`{rc.AGAIN}`): 2 runs at late | 18.00 (2 runs) | 8 (the long run's end" in text  # most of x's runs
+    # a sweep both FedAvg rows ran in times against FedAvg's own row
+    text = rc.equal_compute_table(s, {**cells, f"z/{rc.AGAIN}": cell("a", 7.0)}, ["x"])
+    assert "| X | FedAvg: 3 runs at a | 2.00 (1 runs) | 4 |" in text
     # the main table's CPU columns mark the rows whose runs are not all in FedAvg's sweeps, and say why
     table, _ = rc.main_table(s, {**cells, "z/y": cell("a", 3.0)}, ["fedavg", "y", "x", "w"])
     lines = {line.split(" | ")[0]: line for line in table.splitlines() if line.startswith("| ")}
