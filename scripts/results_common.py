@@ -517,6 +517,8 @@ class PaperClaim:
     # Our training budget (rounds, epochs, steps) as a fraction of the paper's: below 1 a null or opposite
     # result does not contradict the paper at its budget ("untested", never "not reproduced").
     budget: float = 1.0
+    # Which budget that fraction is, as the reason quotes it (e.g. "local epochs 4 of 100"); "" = not said.
+    budget_of: str = ""
     # Why the rows compared are not each tuned on a validation split ("": they are): a verdict compares tuned
     # against tuned, so such a comparison is "untested" (issue 28 item 3; filled by untuned_reason).
     untuned: str = ""
@@ -565,7 +567,8 @@ def verdict(claim: PaperClaim, ours: Interval | None, against: str | None = None
             "; the paper's number is not in the specs, so the magnitude cannot be compared" if claim.number is None
             else "; the settings differ too much to compare magnitudes") + only
     if claim.budget < 1:
-        return "untested", (f"run at {claim.budget:.0%} of the paper's budget: "
+        of = f" ({claim.budget_of})" if claim.budget_of else ""
+        return "untested", (f"run at {claim.budget:.0%} of the paper's budget{of}: "
                             + ("no detectable difference" if ours.sign == 0 else "the opposite direction")
                             + " there does not test the claim at its budget" + only)
     if ours.sign == 0:

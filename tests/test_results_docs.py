@@ -149,8 +149,10 @@ def test_a_verdict_rests_on_ten_seeds_the_papers_comparison_and_its_budget():
     assert v == "direction only" and why.endswith("against FedAvg only: FedProx untested")
     short = replace(claim, budget=0.1)
     assert rc.verdict(short, _ten(-0.02), "FedAvg")[0] == rc.verdict(short, _ten(0.0), "FedAvg")[0] == "untested"
-    assert "10% of the paper's budget" in rc.verdict(short, _ten(0.0), "FedAvg")[1]
+    assert "10% of the paper's budget:" in rc.verdict(short, _ten(0.0), "FedAvg")[1]
     assert rc.verdict(short, _ten(0.02), "FedAvg")[0] == "direction only"
+    named = replace(short, budget_of="local epochs 4 of 40")  # the reason says which budget fell short
+    assert "10% of the paper's budget (local epochs 4 of 40): no detectable" in rc.verdict(named, _ten(0.0), "FedAvg")[1]
 
 
 def test_a_verdict_compares_tuned_against_tuned():
@@ -783,11 +785,23 @@ def test_oneshot_labels_budgets_and_claims_quote_what_the_rows_ran():
         claims = {(a, b): c for a, b, c in os_.claims(s)}
         card = claims[("dense_card", "adi_card")]
         assert f"; {gen} epochs for both;" in card.differences
-        # the card-budget rows' verdicts stand at the card's budget only when the rows ran it
-        assert card.budget == (1.0 if budget == "full" else 4 / 200)
-        assert claims[("feddf_card", "fedavg")].budget == (1.0 if budget == "full" else 40 / 10_000)
-        assert claims[("dense", "adi")].budget == (20 if budget == "full" else 2) / 200
+        # a claim's budget is the least of its fractions, each short one named: the clients' local epochs against
+        # the paper's (DENSE's README 400; the survey's order the least of its papers, 100; FuseFL 100 per block)
+        # and the server side's, which falls short only where the rows ran below the card
         local = 4 if budget == "full" else 1
+        assert card.budget == local / 400
+        assert card.budget_of == f"local epochs {local} of 400" + ("" if budget == "full" else "; generator epochs 4 of 200")
+        feddf = claims[("feddf_card", "fedavg")]
+        assert feddf.budget == (local / 100 if budget == "full" else 40 / 10_000)
+        assert feddf.budget_of == f"local epochs {local} of 100" + ("" if budget == "full" else
+                                                                     "; distillation steps 40 of 10,000")
+        gen20 = 20 if budget == "full" else 2
+        assert claims[("dense", "adi")].budget == min(local / 400, gen20 / 200)
+        assert claims[("dense", "adi")].budget_of == f"local epochs {local} of 400; generator epochs {gen20} of 200"
+        for against in ("ensemble", "ensemble_cal", "fedavg"):
+            fusefl = claims[("fusefl_k2", against)]
+            assert (fusefl.budget, fusefl.budget_of) == (max(1, local // 2) / 100,
+                                                         f"local epochs per block {max(1, local // 2)} of 100")
         assert f"Dirichlet(0.5), {local} local epochs (the papers" in claims[("ensemble", "fedavg")].differences
         assert s.title.endswith(f"{local} local epochs")
 
