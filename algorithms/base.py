@@ -25,6 +25,15 @@ from fl_platform.training.loop import ClientData, LocalTrainer, NonFiniteError, 
 from fl_platform.training.vectorised import CohortMember, CohortTrainer, MemberResult, NotVectorisable
 
 
+def require(conf: Any, *rules: tuple[bool, str, str]) -> None:
+    """Refuse a field outside its range at start-up, naming the key: ``(holds, field, rule)`` such as
+    ``(cfg.mu >= 0, "mu", ">= 0")``. A conf's ``__post_init__`` calls it (the conf is made when the run
+    is checked, before any round), so a negative weight or rate never runs as a silent sign flip."""
+    for ok, key, rule in rules:
+        if not ok:
+            raise ValueError(f"algorithm.{key} must be {rule}, got {getattr(conf, key)!r}")
+
+
 @dataclass
 class AlgorithmConf:
     """Fields common to every algorithm; each algorithm's schema extends it."""
@@ -48,6 +57,9 @@ class ServerStepConf(AlgorithmConf):
     """Algorithms whose server moves the global model by ``server_lr`` times the aggregated update."""
 
     server_lr: float = 1.0
+
+    def __post_init__(self) -> None:
+        require(self, (self.server_lr > 0, "server_lr", "> 0"))
 
     def inactive_fields(self, run: Any) -> dict[str, str]:
         """``server_lr`` is the server step's own rate: an adaptive ``server_opt`` steps by ``server_opt.lr``."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fl_platform.algorithms.base import AlgorithmSpec, StateSpec
+from fl_platform.algorithms.base import AlgorithmSpec, StateSpec, require
 from fl_platform.algorithms.fedavg import FedAvgClient, FedAvgConf, FedAvgServer
 from fl_platform.core import Broadcast, ClientUpdate, RoundContext
 from fl_platform.seeding import Stream
@@ -28,6 +28,10 @@ from fl_platform.training.loop import ClientData, LocalTrainer
 class DittoConf(FedAvgConf):
     name: str = "ditto"
     lam: float = 0.1  # the personal model's pull towards the global one
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self, (self.lam >= 0, "lam", ">= 0"))
 
     def inactive_fields(self, run: Any) -> dict[str, str]:
         out = super().inactive_fields(run)

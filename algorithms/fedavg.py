@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 
-from fl_platform.algorithms.base import AlgorithmSpec, ClientAlgorithm, ServerAlgorithm, ServerStepConf
+from fl_platform.algorithms.base import (
+    AlgorithmSpec,
+    ClientAlgorithm,
+    ServerAlgorithm,
+    ServerStepConf,
+    require,
+)
 from fl_platform.core import Aggregate, ClientUpdate, RoundContext
 
 
@@ -20,6 +26,10 @@ from fl_platform.core import Aggregate, ClientUpdate, RoundContext
 class FedAvgConf(ServerStepConf):
     name: str = "fedavg"
     server_momentum: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self, (0.0 <= self.server_momentum < 1.0, "server_momentum", "in [0, 1)"))
 
     def inactive_fields(self, run: Any) -> dict[str, str]:
         out = super().inactive_fields(run)

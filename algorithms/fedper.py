@@ -55,6 +55,7 @@ class FedRepConf(FedAvgConf):
     head_epochs: int = 10  # epochs of head-only training (body frozen) before the body's
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.head_epochs < 1:
             raise ValueError(f"algorithm.head_epochs must be >= 1, got {self.head_epochs}")
 

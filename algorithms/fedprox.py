@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fl_platform.algorithms.base import AlgorithmSpec
+from fl_platform.algorithms.base import AlgorithmSpec, require
 from fl_platform.algorithms.fedavg import FedAvgClient, FedAvgConf, FedAvgServer
 from fl_platform.training.hooks import ProximalHook
 
@@ -17,6 +17,10 @@ from fl_platform.training.hooks import ProximalHook
 class FedProxConf(FedAvgConf):
     name: str = "fedprox"
     mu: float = 0.01
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self, (self.mu >= 0, "mu", ">= 0"))
 
 
 class FedProxClient(FedAvgClient):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fl_platform.algorithms.base import AlgorithmSpec
+from fl_platform.algorithms.base import AlgorithmSpec, require
 from fl_platform.algorithms.fedavg import FedAvgClient, FedAvgConf, FedAvgServer
 from fl_platform.algorithms.vhl_data import (
     VIRTUAL_BATCH_KEY,
@@ -100,10 +100,10 @@ def _check(cfg: VHLConf) -> None:
         (cfg.domain_weight >= 0, "domain_weight", ">= 0"), (cfg.temperature > 0, "temperature", "> 0"),
         (cfg.virtual_batch_size >= 1, "virtual_batch_size", ">= 1"),
         (cfg.samples_per_class >= 1, "samples_per_class", ">= 1"), (cfg.mu >= 0, "mu", ">= 0"),
+        (cfg.n_mlp >= 0, "n_mlp", ">= 0"), (cfg.style_mean_std >= 0, "style_mean_std", ">= 0"),
+        (cfg.style_std >= 0, "style_std", ">= 0"),
     ]
-    for ok, key, need in checks:
-        if not ok:
-            raise ValueError(f"algorithm.{key} must be {need}, got {getattr(cfg, key)!r}")
+    require(cfg, *checks)
 
 
 def virtual_spec(cfg: VHLConf, seed: int, num_classes: int, input_shape: tuple[int, ...]) -> VirtualDataSpec:

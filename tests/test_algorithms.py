@@ -105,3 +105,37 @@ def test_scaffold_keeps_each_clients_control_variate_across_rounds(make_config):
             assert state is None
     # The server control variate is the running mean of client updates, hence non-zero after training.
     assert float(exp.simulation.server.c.norm()) > 0
+
+
+GENERATOR = ("model=cnn", "model.channels=[2,2]", "model.hidden=4", "rounds=1", "algorithm.cache_dir=null",
+             "algorithm.epochs=1", "algorithm.g_steps=1", "algorithm.nz=4", "algorithm.ngf=2")
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["algorithm=fedavg", "algorithm.server_lr=0"], "algorithm.server_lr must be > 0, got 0.0"),
+    (["algorithm=scaffold", "algorithm.server_lr=-1"], "algorithm.server_lr must be > 0, got -1.0"),
+    (["algorithm=fedrep", "algorithm.server_lr=-1"], "algorithm.server_lr must be > 0"),  # past FedRep's own check
+    (["algorithm=fedavg", "algorithm.server_momentum=1.0"], "algorithm.server_momentum must be in [0, 1), got 1.0"),
+    (["algorithm=fedprox", "algorithm.mu=-0.01"], "algorithm.mu must be >= 0, got -0.01"),
+    (["algorithm=ditto", "algorithm.lam=-0.1"], "algorithm.lam must be >= 0, got -0.1"),
+    (["algorithm=vhl", "model=cnn", "algorithm.style_std=-0.3"], "algorithm.style_std must be >= 0, got -0.3"),
+    (["algorithm=oneshot_dense", *GENERATOR, "algorithm.lambda_adv=-1"], "algorithm.lambda_adv=-1.0 is invalid"),
+    (["algorithm=oneshot_dense", *GENERATOR, "algorithm.lambda_oh=-1"], "algorithm.lambda_oh=-1.0 is invalid"),
+    (["algorithm=oneshot_coboost", *GENERATOR, "algorithm.epochs=2", "algorithm.reweight_delta=1.5"],
+     "algorithm.reweight_delta=1.5 is invalid"),
+    (["algorithm=oneshot_coboost", *GENERATOR, "algorithm.kd_clip=0"], "algorithm.kd_clip=0.0 is invalid"),
+    (["algorithm=oneshot_adi", *GENERATOR[:5], "algorithm.di_steps=1", "algorithm.lambda_adi=-0.2"],
+     "algorithm.lambda_adi=-0.2 is invalid"),
+])
+def test_a_weight_or_rate_outside_its_range_is_refused_at_start_up(make_config, overrides, message):
+    """A negative proximal weight, loss weight or server rate would run as a silent sign flip (a repulsive
+    FedProx term, an ascending server step); it is refused before any round, naming the key."""
+    with pytest.raises(ValueError) as err:
+        build(make_config(*overrides))
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("overrides", [["algorithm=fedprox", "algorithm.mu=0"], ["algorithm=ditto", "algorithm.lam=0", "eval.clients=all"],
+                                       ["algorithm=fedavg", "algorithm.server_momentum=0.9", "rounds=2"]])
+def test_the_edge_of_each_range_still_builds(make_config, overrides):
+    build(make_config(*overrides)).engine.close()

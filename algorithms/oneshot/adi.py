@@ -82,7 +82,8 @@ class AdiServer(SynthesisServer):
     def checks(self) -> list[tuple[bool, str]]:
         cfg = self.cfg
         return [*super().checks(), (cfg.di_steps >= 1, "di_steps"), (cfg.di_lr > 0, "di_lr"),
-                (cfg.jitter >= 0, "jitter"), (cfg.lambda_tv >= 0, "lambda_tv"), (cfg.lambda_l2 >= 0, "lambda_l2")]
+                (cfg.jitter >= 0, "jitter"), (cfg.lambda_tv >= 0, "lambda_tv"), (cfg.lambda_l2 >= 0, "lambda_l2"),
+                (cfg.lambda_adi >= 0, "lambda_adi")]
 
     def check_inputs(self, shape: tuple[int, ...]) -> None:
         if len(shape) != 3:

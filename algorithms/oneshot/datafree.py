@@ -234,7 +234,9 @@ class SynthesisServer(OneShotServer):
         return [(cfg.epochs >= 1, "epochs"), (cfg.synthesis_batch_size >= 1, "synthesis_batch_size"),
                 (cfg.kd_temperature > 0, "kd_temperature"), (cfg.kd_lr > 0, "kd_lr"),
                 (cfg.kd_batch_size >= 1, "kd_batch_size"), (cfg.student_init in ("fresh", "fedavg"), "student_init"),
-                (cfg.pool_batches is None or cfg.pool_batches >= 1, "pool_batches")]
+                (cfg.pool_batches is None or cfg.pool_batches >= 1, "pool_batches"),
+                (cfg.lambda_oh >= 0, "lambda_oh"), (cfg.lambda_bn >= 0, "lambda_bn"),
+                (cfg.kd_clip is None or cfg.kd_clip > 0, "kd_clip")]
 
     def __init__(self, cfg: SynthesisConf, setup, initial_weights) -> None:
         self.cfg = cfg
@@ -400,7 +402,11 @@ class DataFreeServer(SynthesisServer):
         cfg = self.cfg
         return [*super().checks(), (cfg.g_steps >= 1, "g_steps"), (cfg.lr_g > 0, "lr_g"), (cfg.nz >= 1, "nz"),
                 (cfg.ngf >= 1, "ngf"), (cfg.adv_temperature > 0, "adv_temperature"),
-                (cfg.ods_temperature > 0, "ods_temperature"), (cfg.reweight_steps >= 1, "reweight_steps")]
+                (cfg.ods_temperature > 0, "ods_temperature"), (cfg.reweight_steps >= 1, "reweight_steps"),
+                (cfg.lambda_adv >= 0, "lambda_adv"), (cfg.hard_sample_power >= 0, "hard_sample_power"),
+                (cfg.generator_clip is None or cfg.generator_clip > 0, "generator_clip"),
+                (cfg.reweight_mu > 0, "reweight_mu"), (0 < cfg.reweight_delta <= 1, "reweight_delta"),
+                (cfg.ods_eta >= 0, "ods_eta")]
 
     def check_inputs(self, shape: tuple[int, ...]) -> None:
         Generator(self.cfg.nz, self.cfg.ngf, shape)
