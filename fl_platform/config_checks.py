@@ -39,6 +39,23 @@ def _raise_first(checks: list[tuple[bool, str, str]]) -> None:
             raise ConfigError(f"{key} {message}")
 
 
+def _optimiser_checks(t: Any) -> list[tuple[bool, str, str]]:
+    """The local optimiser's values, shared by the federated loop and S-SGD: a negative momentum, weight
+    decay or Adam constant would train (anti-regularised, or with a sign-flipped average) without a word."""
+    checks = [
+        (t.batch_size >= 1, "train.batch_size", f"must be >= 1, got {t.batch_size}"),
+        (t.lr > 0, "train.lr", f"must be > 0, got {t.lr}"),
+        (t.optimizer in ("sgd", "adam"), "train.optimizer", f"must be one of sgd, adam; got {t.optimizer!r}"),
+        (0 <= t.momentum < 1, "train.momentum", f"must be in [0, 1), got {t.momentum}"),
+        (t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}"),
+    ]
+    if t.optimizer == "adam":  # under sgd these are refused as having no effect (train_inactive)
+        checks += [(0 <= getattr(t, key) < 1, f"train.{key}", f"must be in [0, 1), got {getattr(t, key)}")
+                   for key in ("adam_beta1", "adam_beta2")]
+        checks.append((t.adam_eps > 0, "train.adam_eps", f"must be > 0, got {t.adam_eps}"))
+    return checks
+
+
 # ---------------------------------------------------------------- the simulator and Flower
 
 
@@ -54,16 +71,13 @@ def check_run(run: RunConfig) -> None:
         (1 <= run.clients_per_round <= run.num_clients, "clients_per_round",
          f"must be in 1..num_clients={run.num_clients}, got {run.clients_per_round}"),
         (run.eval_every >= 1, "eval_every", f"must be >= 1, got {run.eval_every}"),
-        (train.batch_size >= 1, "train.batch_size", f"must be >= 1, got {train.batch_size}"),
-        (train.lr > 0, "train.lr", f"must be > 0, got {train.lr}"),
+        *_optimiser_checks(train),
         (train.steps is not None or (train.epochs is not None and train.epochs >= 1), "train.epochs",
          f"must be >= 1 (or set train.steps), got {train.epochs}"),
         (train.steps is None or train.steps >= 1, "train.steps", f"must be >= 1, got {train.steps}"),
         (train.steps is None or train.epochs is None, "train.epochs",
          f"has no effect when train.steps is set (train.steps={train.steps} fixes the number of local "
          f"steps; got train.epochs={train.epochs}): set one of them"),
-        (train.optimizer in ("sgd", "adam"), "train.optimizer",
-         f"must be one of sgd, adam; got {train.optimizer!r}"),
         (run.checkpoint_every >= 0, "checkpoint_every", f"must be >= 0, got {run.checkpoint_every}"),
         (engine.state_store in STORE_KINDS, "engine.state_store",
          f"must be one of {', '.join(STORE_KINDS)}; got {engine.state_store!r}"),
@@ -355,11 +369,9 @@ def check_ssgd(run: RunConfig) -> None:
     s, t = run.ssgd, run.train
     compressor = run.compressor.name
     _raise_first([
-        (t.batch_size >= 1, "train.batch_size", f"must be >= 1, got {t.batch_size}"),
-        (t.lr > 0, "train.lr", f"must be > 0, got {t.lr}"),
+        *_optimiser_checks(t),
         ((t.epochs or 0) >= 1 or bool(t.steps), "train.epochs", f"must be >= 1 (or set train.steps), got {t.epochs}"),
         (t.steps is None or t.steps >= 1, "train.steps", f"must be >= 1 or null, got {t.steps}"),
-        (t.optimizer in ("sgd", "adam"), "train.optimizer", f"must be one of sgd, adam; got {t.optimizer!r}"),
         (t.shuffle_offset == 0, "train.shuffle_offset",
          f"is the federated loop's noise-floor control; S-SGD shards every epoch from (seed, SHUFFLE, epoch) "
          f"and does not take it (leave it at 0), got {t.shuffle_offset}"),

@@ -135,7 +135,23 @@ def test_a_weight_or_rate_outside_its_range_is_refused_at_start_up(make_config, 
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["train.momentum=-0.5"], "train.momentum must be in [0, 1), got -0.5"),
+    (["train.momentum=1.0"], "train.momentum must be in [0, 1), got 1.0"),
+    (["train.weight_decay=-1"], "train.weight_decay must be >= 0, got -1.0"),
+    (["train.optimizer=adam", "train.adam_beta1=-0.5"], "train.adam_beta1 must be in [0, 1), got -0.5"),
+    (["train.optimizer=adam", "train.adam_beta2=1.5"], "train.adam_beta2 must be in [0, 1), got 1.5"),
+    (["train.optimizer=adam", "train.adam_eps=0"], "train.adam_eps must be > 0, got 0.0"),
+])
+def test_a_local_optimiser_constant_outside_its_range_is_refused_at_start_up(make_config, overrides, message):
+    with pytest.raises(ValueError) as err:
+        build(make_config(*overrides))
+    assert message in str(err.value)
+
+
 @pytest.mark.parametrize("overrides", [["algorithm=fedprox", "algorithm.mu=0"], ["algorithm=ditto", "algorithm.lam=0", "eval.clients=all"],
-                                       ["algorithm=fedavg", "algorithm.server_momentum=0.9", "rounds=2"]])
+                                       ["algorithm=fedavg", "algorithm.server_momentum=0.9", "rounds=2"],
+                                       ["train.momentum=0", "train.weight_decay=0"],
+                                       ["train.optimizer=adam", "train.adam_beta1=0", "train.adam_beta2=0.5"]])
 def test_the_edge_of_each_range_still_builds(make_config, overrides):
     build(make_config(*overrides)).engine.close()

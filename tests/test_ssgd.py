@@ -68,6 +68,8 @@ def test_config_reuses_the_simulator_groups():
     (["ssgd.sync=local", "compressor=topk"], "ssgd.sync local SGD averages whole models"),
     (["ssgd.backend=mpi"], "ssgd.backend must be auto, gloo or nccl"),
     (["train.lr=0"], "train.lr must be > 0"),
+    (["train.momentum=-0.5"], r"train.momentum must be in \[0, 1\)"),
+    (["train.weight_decay=-1"], "train.weight_decay must be >= 0"),
     (["train.precision=bf16"], "train.precision is a step option of the federated loop"),
     (["train.compile=true"], "train.compile is a step option of the federated loop"),
 ])
