@@ -71,6 +71,7 @@ def check_run(run: RunConfig) -> None:
         (1 <= run.clients_per_round <= run.num_clients, "clients_per_round",
          f"must be in 1..num_clients={run.num_clients}, got {run.clients_per_round}"),
         (run.eval_every >= 1, "eval_every", f"must be >= 1, got {run.eval_every}"),
+        (run.eval_batch_size >= 1, "eval_batch_size", f"must be >= 1, got {run.eval_batch_size}"),
         *_optimiser_checks(train),
         (train.steps is not None or (train.epochs is not None and train.epochs >= 1), "train.epochs",
          f"must be >= 1 (or set train.steps), got {train.epochs}"),
@@ -382,6 +383,7 @@ def check_ssgd(run: RunConfig) -> None:
            f"(docs/engine.md, \"The step\"); the S-SGD step does not implement it (leave it at {off}), "
            f"got {getattr(t, key)}") for key, off in (("precision", "fp32"), ("channels_last", False), ("compile", False))),
         (run.eval_every >= 0, "eval_every", f"must be >= 0, got {run.eval_every}"),
+        (run.eval_batch_size >= 1, "eval_batch_size", f"must be >= 1, got {run.eval_batch_size}"),
         (run.log_every_steps >= 0, "log_every_steps", f"must be >= 0, got {run.log_every_steps}"),
         (s.backend in ("auto", "gloo", "nccl"), "ssgd.backend", f"must be auto, gloo or nccl; got {s.backend!r}"),
         (s.bucket_cap_mb > 0, "ssgd.bucket_cap_mb", f"must be > 0, got {s.bucket_cap_mb}"),

@@ -142,8 +142,9 @@ def test_a_weight_or_rate_outside_its_range_is_refused_at_start_up(make_config, 
     (["train.optimizer=adam", "train.adam_beta1=-0.5"], "train.adam_beta1 must be in [0, 1), got -0.5"),
     (["train.optimizer=adam", "train.adam_beta2=1.5"], "train.adam_beta2 must be in [0, 1), got 1.5"),
     (["train.optimizer=adam", "train.adam_eps=0"], "train.adam_eps must be > 0, got 0.0"),
+    (["eval_batch_size=-1"], "eval_batch_size must be >= 1, got -1"),  # evaluated nothing: accuracy 0.0000
 ])
-def test_a_local_optimiser_constant_outside_its_range_is_refused_at_start_up(make_config, overrides, message):
+def test_a_training_or_evaluation_setting_outside_its_range_is_refused_at_start_up(make_config, overrides, message):
     with pytest.raises(ValueError) as err:
         build(make_config(*overrides))
     assert message in str(err.value)

@@ -70,6 +70,7 @@ def test_config_reuses_the_simulator_groups():
     (["train.lr=0"], "train.lr must be > 0"),
     (["train.momentum=-0.5"], r"train.momentum must be in \[0, 1\)"),
     (["train.weight_decay=-1"], "train.weight_decay must be >= 0"),
+    (["eval_batch_size=0"], "eval_batch_size must be >= 1"),
     (["train.precision=bf16"], "train.precision is a step option of the federated loop"),
     (["train.compile=true"], "train.compile is a step option of the federated loop"),
 ])
