@@ -355,7 +355,7 @@ def check_resumable(run: RunConfig, saved_config: Path) -> None:
     diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
              if not k.startswith(RESUME_FREE_KEYS) and old.get(k) != new.get(k)]
     if diffs:
-        raise ConfigError(f"resume: the checkpoint in {saved_config.parent} was made with a different config "
+        raise ConfigError(f"resume: the run in {saved_config.parent} was made with a different config "
                           f"({'; '.join(diffs[:5])}); rerun with the same overrides, or resume=never to start over")
 
 

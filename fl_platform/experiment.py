@@ -225,12 +225,21 @@ def build(cfg: DictConfig | RunConfig, run_dir: Path | str | None = None, report
 def open_checkpoint(run: RunConfig, rd: RunDir) -> tuple[Checkpointer, Checkpoint | None]:
     """The run dir's checkpointer and the checkpoint to continue from (``resume``; the simulator and the
     Flower ServerApp): resume=never clears it; else the latest usable one, after refusing a config that
-    changes results. Call before config.yaml is rewritten."""
+    changes results. ``resume=<dir>`` must name an earlier run (its config.yaml), and one with another
+    config is refused even without a checkpoint (it would be overwritten). Call before config.yaml is
+    rewritten."""
+    named = run.resume not in ("auto", "never")  # resume=<the directory of an earlier run>
+    if named and not rd.config.exists():
+        switch = " (resume is not a switch: auto, the default, already continues a checkpoint)" if str(
+            run.resume).lower() in ("true", "false") else ""
+        raise ConfigError(f"resume={run.resume}: {rd.path} holds no earlier run (no config.yaml){switch}; resume "
+                          "takes auto (continue the run dir's checkpoint, if any), never (start over) or the "
+                          "directory of an earlier run")
     checkpointer = Checkpointer(rd.checkpoint, run.checkpoint_every)
     if run.resume == "never":
         checkpointer.clear()
         return checkpointer, None
-    if checkpointer.latest_file.exists():
+    if checkpointer.latest_file.exists() or named:  # a named run without a checkpoint is rerun, never replaced
         check_resumable(run, rd.config)
     return checkpointer, checkpointer.load()  # an unusable latest checkpoint: the one before, or CheckpointError
 

@@ -98,6 +98,23 @@ def test_resume_refuses_a_changed_config(tmp_path):
     exp.engine.close()
 
 
+def test_resume_of_a_named_directory_needs_an_earlier_run_with_the_same_config(tmp_path):
+    """resume=<dir> names an earlier run: a directory without one (a typo, or resume=true read as a path
+    'True') is refused instead of starting a fresh run there; one made with another config is refused even
+    without a checkpoint, instead of being overwritten; the same config reruns in place."""
+    with pytest.raises(ValueError, match=r"holds no earlier run \(no config.yaml\) \(resume is not a switch"):
+        build(compose_config("rounds=1", "resume=true"), tmp_path / "True")
+    with pytest.raises(ValueError, match=r"resume=.*fresh: .* holds no earlier run"):
+        build(compose_config("rounds=1", f"resume={tmp_path / 'fresh'}"), tmp_path / "fresh")
+    earlier = tmp_path / "earlier"
+    run_experiment(compose_config("rounds=1", "seed=3"), earlier)  # no checkpoint_every: no checkpoint
+    with pytest.raises(ValueError, match=r"the run in .*earlier was made with a different config \(seed: 3 -> 4\)"):
+        build(compose_config("rounds=1", "seed=4", f"resume={earlier}"), earlier)
+    assert json.loads((earlier / "summary.json").read_text())["rounds"] == 1
+    exp = build(compose_config("rounds=1", "seed=3", f"resume={earlier}"), earlier)
+    exp.engine.close()
+
+
 @pytest.mark.ray
 def test_ray_distributed_state_resumes_in_process(ray_session, tmp_path):
     """A checkpointed Ray run abandoned mid-way (no clean shutdown of its stores) resumes exactly."""
