@@ -788,6 +788,14 @@ def setting_jobs(settings: Sequence[Setting], max_priority: int = 99) -> list[Jo
     return [j for p, j in sorted(out, key=lambda pj: pj[0]) if p <= max_priority]
 
 
+def unmatched_patterns(settings: Sequence[Setting], patterns: Sequence[str]) -> list[str]:
+    """The ``--only`` patterns that match no run of the plan at any priority (a tuned row's runs too, before
+    its tuning is in): a mistyped row would otherwise read as "0 runs missing", as if all were done."""
+    names = [j.name for j in setting_jobs(settings)]
+    names += [f"{s.name}/{row.tag}/s{seed}" for s in settings for row in s.rows if not s.ready(row) for seed in row.seeds]
+    return [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+
+
 def waiting_rows(settings: Sequence[Setting]) -> list[str]:
     """The tuned rows whose algorithm's tuning runs are not all in (they cannot be planned yet)."""
     return [f"{s.name}/{row.tag}" for s in settings for row in s.rows if not s.ready(row)]
@@ -1244,6 +1252,13 @@ def cli(doc: str, argv: list[str] | None, description: str,
     suffix = ("" if args.budget == "full" else f"_{args.budget}") + ("" if args.preset == "cpu" else f"_{args.preset}")
     artefacts = Path(args.artefacts) if args.artefacts else DATA / f"{doc}{suffix}"
     settings = settings_of(args.budget, args.preset)
+    if args.only and not args.from_artefacts:
+        unmatched = unmatched_patterns(settings, args.only)
+        if unmatched:
+            rows = sorted({f"{s.name}/{row.tag}" for s in settings for row in s.rows})
+            print(f"--only {' '.join(repr(p) for p in unmatched)} matches no run of the plan (<setting>/<row>/s<seed>; "
+                  f"tuning runs <setting>/tune/...); its rows: {', '.join(rows)}", file=sys.stderr)
+            return 2
     code = None
     while not args.from_artefacts:  # twice where tuned rows wait for their tuning runs
         cells = load_cells(artefacts) if artefacts.exists() else {}

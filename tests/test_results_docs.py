@@ -467,6 +467,16 @@ def test_only_selects_the_missing_runs_matching_a_pattern(tmp_path, capsys):
     assert "20 tuned rows wait for their tuning runs" in out
 
 
+def test_only_refuses_a_pattern_that_matches_no_run_of_the_plan(tmp_path, capsys):
+    """A mistyped row would otherwise plan nothing and read '0 runs missing', as if every run were made."""
+    base = importlib.import_module("results_baselines")
+    assert base.main(["--plan", "--only", "dirichlet/fedavg/s3", "dirichlet/fedavgg/*",
+                      "--artefacts", str(tmp_path / "art")]) == 2
+    out, err = capsys.readouterr()
+    assert "runs missing" not in out and "--only 'dirichlet/fedavgg/*' matches no run of the plan" in err
+    assert "dirichlet/fedavg/s3" not in err.split("its rows:")[0]  # a waiting tuned row's run is in the plan
+
+
 # ----------------------------------------------------------------------------- tuning on a validation split
 
 
