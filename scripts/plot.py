@@ -210,14 +210,24 @@ def main(argv: list[str] | None = None) -> int:
     if not paths:
         print(f"error: no run directories (with summary.json) under {args.paths}", file=sys.stderr)
         return 1
-    groups = group_runs([load_run(p) for p in paths])
+    runs = []
+    for p in paths:  # a run dir another tool tore or emptied is named and left out, never read half
+        try:
+            runs.append(load_run(p))
+        except (OSError, ValueError, yaml.YAMLError) as err:
+            print(f"warning: skipped {p}: unreadable ({type(err).__name__}: {err})", file=sys.stderr)
+    if not runs:
+        print(f"error: none of the {len(paths)} run directories under {args.paths} could be read", file=sys.stderr)
+        return 1
+    groups = group_runs(runs)
     out = Path(args.out)
     png = plot(groups, out, args.x, args.metric, args.title)
     md = table(groups, args.last)
     table_path = (out.parent if out.suffix else out) / "table.md"
     table_path.write_text(md)
     print(md)
-    print(f"plot: {png}\ntable: {table_path}")
+    print(f"plot: {png}\ntable: {table_path}" + (f"\n{len(paths) - len(runs)} unreadable run(s) left out (warnings "
+                                                   "above)" if len(runs) < len(paths) else ""))
     return 0
 
 

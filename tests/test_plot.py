@@ -41,3 +41,26 @@ def test_a_round_axis_has_whole_round_ticks():
     ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
     assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), ticks  # 3 rounds: no 1.5, 2.5
     fig.clf()
+
+
+def _write_run(path: Path, seed: int, accuracies: list[float]) -> None:
+    import json
+
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(f"algorithm:\n  name: fedavg\nseed: {seed}\n")
+    (path / "metrics.jsonl").write_text("".join(json.dumps({"round": r + 1, "test_accuracy": a}) + "\n"
+                                                for r, a in enumerate(accuracies)))
+    (path / "summary.json").write_text(json.dumps({"final_test_accuracy": accuracies[-1], "rounds": len(accuracies)}))
+
+
+def test_an_unreadable_run_is_named_and_left_out_and_none_readable_is_an_error(tmp_path, capsys):
+    _write_run(tmp_path / "sweep" / "0", 0, [0.5, 0.6])
+    _write_run(tmp_path / "sweep" / "1", 1, [0.4, 0.7])
+    (tmp_path / "sweep" / "1" / "summary.json").write_text('{"final_test')  # torn by another tool
+    assert plot.main([str(tmp_path / "sweep"), "--out", str(tmp_path / "plots")]) == 0
+    out, err = capsys.readouterr()
+    assert f"warning: skipped {tmp_path / 'sweep' / '1'}: unreadable (JSONDecodeError" in err
+    assert "| fedavg | 1 | 60.00 |" in out and "1 unreadable run(s) left out" in out
+    (tmp_path / "sweep" / "0" / "metrics.jsonl").unlink()
+    assert plot.main([str(tmp_path / "sweep"), "--out", str(tmp_path / "plots")]) == 1
+    assert "none of the 2 run directories" in capsys.readouterr().err
