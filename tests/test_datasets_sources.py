@@ -146,6 +146,8 @@ def test_synthetic_rejects_bad_options():
         load_synthetic(min_size=1)
     with pytest.raises(ValueError, match="max_size"):
         load_synthetic(min_size=50, max_size=10)
+    with pytest.raises(ValueError, match=r"synthetic: size_sigma is the standard deviation .* got -0\.5"):
+        load_synthetic(size_sigma=-0.5)
 
 
 # --- IDX ------------------------------------------------------------------------------------

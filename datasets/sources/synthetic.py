@@ -73,6 +73,9 @@ def load_synthetic(
         raise ValueError(
             f"synthetic: alpha and beta are standard deviations, must be >= 0 (got {alpha}, {beta})"
         )
+    if size_sigma < 0:
+        raise ValueError(f"synthetic: size_sigma is the standard deviation of the log sample counts, must be >= 0, "
+                         f"got {size_sigma}")
     if min_size < 2:
         raise ValueError(
             f"synthetic: min_size must be >= 2 so every device has train and test data, got {min_size}"
