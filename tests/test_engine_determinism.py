@@ -121,8 +121,9 @@ def test_the_driver_receives_one_aggregate_whatever_the_number_of_workers(ray_se
 @pytest.mark.ray
 def test_small_partials_are_summed_by_the_driver(ray_session):
     """A partial aggregate within Ray's inline limit reaches the driver inside its task's reply anyway,
-    so the driver sums the W partials itself (no reduction hops): the default MLP's 77 KB."""
-    exp = build(compose_config(*COMMON, "engine=ray", "engine.num_workers=2"))
+    so the driver sums the W partials itself (no reduction hops): the default MLP's 77 KB. Round-robin
+    gives both workers clients every round; LPT on a loaded machine once gave one worker all 12 (one partial)."""
+    exp = build(compose_config(*COMMON, "engine=ray", "engine.num_workers=2", "engine.scheduler=round_robin"))
     try:
         exp.simulation.run()
         vector_bytes = 8 * exp.simulation.server.weights.numel()
