@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fl_platform.algorithms.base import AlgorithmSpec, Setup
+from fl_platform.algorithms.base import AlgorithmSpec, Setup, require
 from fl_platform.algorithms.fedavg import FedAvgClient, FedAvgConf, FedAvgServer
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, RoundContext
 from fl_platform.models.base import StagedModel
@@ -94,9 +94,7 @@ def _check(cfg: FedImproConf) -> None:
               (cfg.sigma_max is None or cfg.sigma_max >= 0, "sigma_max", ">= 0 or null"),
               (cfg.privacy_noise_std >= 0, "privacy_noise_std", ">= 0"), (cfg.mu >= 0, "mu", ">= 0"),
               (cfg.constant_weight >= 0, "constant_weight", ">= 0")]
-    for ok, key, need in checks:
-        if not ok:
-            raise ValueError(f"algorithm.{key} must be {need}, got {getattr(cfg, key)!r}")
+    require(cfg, *checks)
 
 
 def loss_weights(cfg: FedImproConf, round_index: int) -> tuple[float, float]:
