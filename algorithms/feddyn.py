@@ -31,6 +31,7 @@ from fl_platform.algorithms.base import (
     LocalPlan,
     ServerAlgorithm,
     StateSpec,
+    require,
 )
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
 from fl_platform.privacy.spec import PrivateUploads
@@ -44,8 +45,7 @@ class FedDynConf(AlgorithmConf):
 
 
 def _check(cfg: FedDynConf) -> None:
-    if not cfg.alpha > 0:
-        raise ValueError(f"algorithm.alpha must be > 0 (FedDyn divides by it), got {cfg.alpha}")
+    require(cfg, (cfg.alpha > 0, "alpha", "> 0 (FedDyn divides by it)"))
 
 
 class FedDynClient(ClientAlgorithm):

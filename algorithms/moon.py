@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fl_platform.algorithms.base import AlgorithmSpec, LocalPlan, StateSpec
+from fl_platform.algorithms.base import AlgorithmSpec, LocalPlan, StateSpec, require
 from fl_platform.algorithms.fedavg import FedAvgClient, FedAvgConf, FedAvgServer
 from fl_platform.core import Broadcast, ClientUpdate, Metrics, RoundContext
 from fl_platform.training.flat import FlatModel
@@ -44,10 +44,7 @@ class MoonConf(FedAvgConf):
 
 
 def _check(cfg: MoonConf) -> None:
-    if cfg.mu < 0:
-        raise ValueError(f"algorithm.mu must be >= 0, got {cfg.mu}")
-    if not cfg.temperature > 0:
-        raise ValueError(f"algorithm.temperature must be > 0, got {cfg.temperature}")
+    require(cfg, (cfg.mu >= 0, "mu", ">= 0"), (cfg.temperature > 0, "temperature", "> 0"))
 
 
 def contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor, temperature: float) -> torch.Tensor:

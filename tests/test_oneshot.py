@@ -154,7 +154,7 @@ def test_one_shot_methods_reject_more_rounds(make_config, shared_cache, algorith
 
 
 def test_bad_settings_name_the_key(make_config, shared_cache):
-    with pytest.raises(ValueError, match=r"algorithm.server_fraction=0.0 is invalid for oneshot_feddf"):
+    with pytest.raises(ValueError, match=r"algorithm.server_fraction must be > 0 \(FedDF distils on held-out server data\), got 0.0"):
         build(_config(make_config, "oneshot_feddf", shared_cache, "algorithm.server_fraction=0"))
     with pytest.raises(ValueError, match=r"H and W divisible by 4"):
         build(make_config("algorithm=oneshot_dense", "dataset=synthetic", "model=mlp", "num_clients=3",

@@ -79,11 +79,11 @@ def competition(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> t
 
 
 class AdiServer(SynthesisServer):
-    def checks(self) -> list[tuple[bool, str]]:
+    def checks(self) -> list[tuple[bool, str, str]]:
         cfg = self.cfg
-        return [*super().checks(), (cfg.di_steps >= 1, "di_steps"), (cfg.di_lr > 0, "di_lr"),
-                (cfg.jitter >= 0, "jitter"), (cfg.lambda_tv >= 0, "lambda_tv"), (cfg.lambda_l2 >= 0, "lambda_l2"),
-                (cfg.lambda_adi >= 0, "lambda_adi")]
+        return [*super().checks(), (cfg.di_steps >= 1, "di_steps", ">= 1"), (cfg.di_lr > 0, "di_lr", "> 0"),
+                (cfg.jitter >= 0, "jitter", ">= 0"), (cfg.lambda_tv >= 0, "lambda_tv", ">= 0"),
+                (cfg.lambda_l2 >= 0, "lambda_l2", ">= 0"), (cfg.lambda_adi >= 0, "lambda_adi", ">= 0")]
 
     def check_inputs(self, shape: tuple[int, ...]) -> None:
         if len(shape) != 3:

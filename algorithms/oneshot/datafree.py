@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fl_platform.algorithms.base import require
 from fl_platform.algorithms.oneshot.distill import LogitEnsemble, combine_logits, kd_loss
 from fl_platform.algorithms.oneshot.protocol import OneShotConf, OneShotServer, build_module, fresh_vector
 from fl_platform.core import RoundContext
@@ -228,21 +229,20 @@ class SynthesisServer(OneShotServer):
     """The loop every synthesise-then-distil method shares; a method supplies ``synthesize`` (and may
     keep ensemble weights, perturb pool batches, or hold a synthesiser such as DENSE's generator)."""
 
-    def checks(self) -> list[tuple[bool, str]]:
-        """(condition, key) pairs that must hold for the configuration to run."""
+    def checks(self) -> list[tuple[bool, str, str]]:
+        """(condition, key, rule) triples that must hold for the configuration to run (``base.require``)."""
         cfg = self.cfg
-        return [(cfg.epochs >= 1, "epochs"), (cfg.synthesis_batch_size >= 1, "synthesis_batch_size"),
-                (cfg.kd_temperature > 0, "kd_temperature"), (cfg.kd_lr > 0, "kd_lr"),
-                (cfg.kd_batch_size >= 1, "kd_batch_size"), (cfg.student_init in ("fresh", "fedavg"), "student_init"),
-                (cfg.pool_batches is None or cfg.pool_batches >= 1, "pool_batches"),
-                (cfg.lambda_oh >= 0, "lambda_oh"), (cfg.lambda_bn >= 0, "lambda_bn"),
-                (cfg.kd_clip is None or cfg.kd_clip > 0, "kd_clip")]
+        return [(cfg.epochs >= 1, "epochs", ">= 1"), (cfg.synthesis_batch_size >= 1, "synthesis_batch_size", ">= 1"),
+                (cfg.kd_temperature > 0, "kd_temperature", "> 0"), (cfg.kd_lr > 0, "kd_lr", "> 0"),
+                (cfg.kd_batch_size >= 1, "kd_batch_size", ">= 1"),
+                (cfg.student_init in ("fresh", "fedavg"), "student_init", "'fresh' or 'fedavg'"),
+                (cfg.pool_batches is None or cfg.pool_batches >= 1, "pool_batches", "null or >= 1"),
+                (cfg.lambda_oh >= 0, "lambda_oh", ">= 0"), (cfg.lambda_bn >= 0, "lambda_bn", ">= 0"),
+                (cfg.kd_clip is None or cfg.kd_clip > 0, "kd_clip", "null or > 0")]
 
     def __init__(self, cfg: SynthesisConf, setup, initial_weights) -> None:
         self.cfg = cfg
-        for ok, key in self.checks():
-            if not ok:
-                raise ValueError(f"algorithm.{key}={getattr(cfg, key)!r} is invalid for {cfg.name}")
+        require(cfg, *self.checks())
         super().__init__(cfg, setup, initial_weights)
         with torch.random.fork_rng(devices=[]):
             self.check_inputs(setup.input_shape)
@@ -398,15 +398,16 @@ class SynthesisServer(OneShotServer):
 class DataFreeServer(SynthesisServer):
     """DENSE and Co-Boosting: the shared loop with a generator; the two are this class with different settings."""
 
-    def checks(self) -> list[tuple[bool, str]]:
+    def checks(self) -> list[tuple[bool, str, str]]:
         cfg = self.cfg
-        return [*super().checks(), (cfg.g_steps >= 1, "g_steps"), (cfg.lr_g > 0, "lr_g"), (cfg.nz >= 1, "nz"),
-                (cfg.ngf >= 1, "ngf"), (cfg.adv_temperature > 0, "adv_temperature"),
-                (cfg.ods_temperature > 0, "ods_temperature"), (cfg.reweight_steps >= 1, "reweight_steps"),
-                (cfg.lambda_adv >= 0, "lambda_adv"), (cfg.hard_sample_power >= 0, "hard_sample_power"),
-                (cfg.generator_clip is None or cfg.generator_clip > 0, "generator_clip"),
-                (cfg.reweight_mu > 0, "reweight_mu"), (0 < cfg.reweight_delta <= 1, "reweight_delta"),
-                (cfg.ods_eta >= 0, "ods_eta")]
+        return [*super().checks(), (cfg.g_steps >= 1, "g_steps", ">= 1"), (cfg.lr_g > 0, "lr_g", "> 0"),
+                (cfg.nz >= 1, "nz", ">= 1"), (cfg.ngf >= 1, "ngf", ">= 1"),
+                (cfg.adv_temperature > 0, "adv_temperature", "> 0"),
+                (cfg.ods_temperature > 0, "ods_temperature", "> 0"), (cfg.reweight_steps >= 1, "reweight_steps", ">= 1"),
+                (cfg.lambda_adv >= 0, "lambda_adv", ">= 0"), (cfg.hard_sample_power >= 0, "hard_sample_power", ">= 0"),
+                (cfg.generator_clip is None or cfg.generator_clip > 0, "generator_clip", "null or > 0"),
+                (cfg.reweight_mu > 0, "reweight_mu", "> 0"), (0 < cfg.reweight_delta <= 1, "reweight_delta", "in (0, 1]"),
+                (cfg.ods_eta >= 0, "ods_eta", ">= 0")]
 
     def check_inputs(self, shape: tuple[int, ...]) -> None:
         Generator(self.cfg.nz, self.cfg.ngf, shape)

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from fl_platform.algorithms.base import AlgorithmSpec
+from fl_platform.algorithms.base import AlgorithmSpec, require
 from fl_platform.algorithms.oneshot.distill import combine_logits, kd_loss, predict_logits
 from fl_platform.algorithms.oneshot.protocol import (
     OneShotClient,
@@ -111,22 +111,18 @@ def split_server_data(num: int, val_fraction: float, seed: int) -> tuple[torch.T
 
 class FedDFServer(OneShotServer):
     def __init__(self, cfg: FedDFConf, setup, initial_weights) -> None:
-        checks = [(cfg.steps >= 0, "steps", cfg.steps), (cfg.batch_size >= 1, "batch_size", cfg.batch_size),
-                  (cfg.lr > 0, "lr", cfg.lr), (cfg.temperature > 0, "temperature", cfg.temperature),
-                  (cfg.eval_every >= 1, "eval_every", cfg.eval_every), (cfg.patience >= 0, "patience", cfg.patience),
-                  (cfg.student_init in ("fedavg", "fresh"), "student_init", cfg.student_init),
-                  (cfg.server_fraction > 0, "server_fraction", cfg.server_fraction),
-                  (cfg.distill_size is None or cfg.distill_size >= 1, "distill_size", cfg.distill_size)]
         if cfg.distill_set != HELDOUT:
             from fl_platform.datasets.registry import SOURCES
 
             if cfg.distill_set not in SOURCES:
                 raise ValueError(f"algorithm.distill_set={cfg.distill_set!r}: use {HELDOUT!r} or a data source "
                                  f"({', '.join(sorted(SOURCES))})")
-        for ok, key, value in checks:
-            if not ok:
-                hint = " (FedDF distils on held-out server data)" if key == "server_fraction" else ""
-                raise ValueError(f"algorithm.{key}={value!r} is invalid for oneshot_feddf{hint}")
+        require(cfg, (cfg.steps >= 0, "steps", ">= 0"), (cfg.batch_size >= 1, "batch_size", ">= 1"),
+                (cfg.lr > 0, "lr", "> 0"), (cfg.temperature > 0, "temperature", "> 0"),
+                (cfg.eval_every >= 1, "eval_every", ">= 1"), (cfg.patience >= 0, "patience", ">= 0"),
+                (cfg.student_init in ("fedavg", "fresh"), "student_init", "'fedavg' or 'fresh'"),
+                (cfg.server_fraction > 0, "server_fraction", "> 0 (FedDF distils on held-out server data)"),
+                (cfg.distill_size is None or cfg.distill_size >= 1, "distill_size", "null or >= 1"))
         super().__init__(cfg, setup, initial_weights)
         self.history: list[tuple[int, float]] = []
         self.distill_x: torch.Tensor | None = None  # an out-of-domain distillation set (distill_set)
