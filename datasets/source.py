@@ -49,6 +49,24 @@ class RowBlocks:
         return out if dtype is None else out.astype(dtype, copy=False)
 
 
+def class_ids(values: object, where: str) -> np.ndarray:
+    """``values`` as a 1-d int64 array of class ids. Integer (or bool) labels pass; float labels must
+    hold whole numbers (a FedProx JSON writes 3.0); 3.7, NaN, strings and 2-d labels are refused
+    naming ``where`` (never truncated to 3)."""
+    y = np.asarray(values)
+    if y.ndim != 1:
+        raise ValueError(f"{where}: labels must be a 1-d array of class ids, got shape {y.shape}")
+    if y.dtype.kind == "f":
+        bad = y != np.round(y)  # NaN != NaN: refused too
+        if bad.any():
+            raise ValueError(f"{where}: labels must be integer class ids; {int(bad.sum())} of {len(y)} are not "
+                             f"(e.g. {y[bad][0]})")
+    elif y.dtype.kind not in "biu":
+        raise ValueError(f"{where}: labels must be integer class ids, got dtype {y.dtype}"
+                         + (f" (e.g. {y[:1].tolist()[0]!r})" if len(y) else ""))
+    return y.astype(np.int64)
+
+
 def _check_finite(name: str, split: str, x: np.ndarray | RowBlocks) -> None:
     """Refuse float features holding NaN or inf at load (one pass, block by block): they would surface
     only as a NaN loss mid-training, whose hints point at the learning rate."""

@@ -322,6 +322,55 @@ def test_cifar100_reader_fine_and_coarse(tmp_path):
         load_cifar100(root=tmp_path, label_mode="middle")
 
 
+def write_cifar10_root(root: Path, batch_2: np.ndarray, labels_2: list) -> Path:
+    """A CIFAR-10 folder of 4-image batches whose data_batch_2 holds ``batch_2`` and ``labels_2``."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    ok = np.zeros((4, 3072), np.uint8)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        write_cifar_batch(folder / name, ok, {b"labels": [0, 1, 2, 3]})
+    with open(folder / "data_batch_2", "wb") as fh:
+        pickle.dump({b"data": batch_2, b"labels": labels_2}, fh, protocol=2)
+    return folder
+
+
+@pytest.mark.parametrize("data", [np.full((4, 3072), 300, np.int64), np.full((4, 3072), -1, np.int16),
+                                  np.full((4, 3072), 0.7), np.full((4, 3072), np.nan)])
+def test_cifar_pixels_outside_0_255_are_refused_not_wrapped(tmp_path, data):
+    write_cifar10_root(tmp_path, data, [0, 1, 2, 3])
+    with pytest.raises(ValueError, match=r"data_batch_2: 'data' \((int64|int16|float64)\) has 12288 value\(s\) "
+                                         r"that are not integer pixels 0..255"):
+        load_cifar10(root=tmp_path)
+
+
+def test_cifar_whole_pixels_of_a_wider_dtype_and_whole_float_labels_load(tmp_path):
+    write_cifar10_root(tmp_path, np.tile(np.arange(4, dtype=np.int64)[:, None] * 85, (1, 3072)), [3.0, 2.0, 1.0, 0.0])
+    s = load_cifar10(root=tmp_path, normalize=False)
+    assert np.allclose(s.train_x[4:8, 0, 0, 0] * 255, [0, 85, 170, 255]) and s.train_y[4:8].tolist() == [3, 2, 1, 0]
+
+
+@pytest.mark.parametrize("labels, message", [
+    ([0.5, 1.9, 2.0, 3.0], r"data_batch_2: 'labels': labels must be integer class ids; 2 of 4 are not \(e.g. 0.5\)"),
+    ([b"cat", b"dog", b"x", b"y"], r"data_batch_2: 'labels': labels must be integer class ids, got dtype \|S3"),
+])
+def test_cifar_labels_that_are_not_class_ids_are_refused(tmp_path, labels, message):
+    write_cifar10_root(tmp_path, np.zeros((4, 3072), np.uint8), labels)
+    with pytest.raises(ValueError, match=message):
+        load_cifar10(root=tmp_path)
+
+
+def test_cifar_corrupt_or_incomplete_batches_name_the_file(tmp_path):
+    folder = write_cifar10_root(tmp_path, np.zeros((4, 3072), np.uint8), [0, 1, 2, 3])
+    whole = (folder / "data_batch_3").read_bytes()
+    (folder / "data_batch_3").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=r"data_batch_3: not a readable CIFAR pickle \(truncated or corrupt\?\)"):
+        load_cifar10(root=tmp_path)
+    (folder / "data_batch_3").write_bytes(whole)
+    write_cifar_batch(folder / "test_batch", np.zeros((4, 3072), np.uint8), {b"fine_labels": [0, 1, 2, 3]})
+    with pytest.raises(ValueError, match=r"test_batch: no 'labels' entry \(it has 'batch_label', 'data', "):
+        load_cifar10(root=tmp_path)
+
+
 def test_cifar_pickles_cannot_run_code(tmp_path):
     class Exploit:
         def __reduce__(self):
@@ -329,7 +378,7 @@ def test_cifar_pickles_cannot_run_code(tmp_path):
 
     path = tmp_path / "evil"
     path.write_bytes(pickle.dumps({b"data": Exploit()}, protocol=2))
-    with pytest.raises(pickle.UnpicklingError, match="refusing"):
+    with pytest.raises(pickle.UnpicklingError, match=f"{path}: refusing to load posix.system"):
         read_cifar_pickle(path)
     path.write_bytes(pickle.dumps({"data": np.zeros((2, 3072), np.uint8)}, protocol=5))  # modern pickles load
     assert read_cifar_pickle(path)["data"].shape == (2, 3072)

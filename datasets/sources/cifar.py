@@ -14,6 +14,7 @@ from __future__ import annotations
 import codecs
 import os
 import pickle
+import struct
 import tarfile
 from pathlib import Path
 from typing import Any, Literal
@@ -22,7 +23,7 @@ import numpy as np
 
 from fl_platform.datasets.download import fetch
 from fl_platform.datasets.paths import DatasetNotFoundError, data_root
-from fl_platform.datasets.source import SourceData, standardize, standardized_value
+from fl_platform.datasets.source import SourceData, class_ids, standardize, standardized_value
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
@@ -45,28 +46,62 @@ _ARRAY_GLOBALS[("numpy", "dtype")] = np.dtype
 _ARRAY_GLOBALS[("_codecs", "encode")] = codecs.encode
 
 
+class _RefusedGlobal(pickle.UnpicklingError):
+    """A pickle names a global outside the array allow-list (it could run code)."""
+
+
 class _ArrayUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         try:
             return _ARRAY_GLOBALS[(module, name)]
         except KeyError:
-            raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a CIFAR pickle") from None
+            raise _RefusedGlobal(f"refusing to load {module}.{name} from a CIFAR pickle") from None
+
+
+# What a truncated or corrupt pickle raises while loading (each byte can decode as any opcode).
+_CORRUPT = (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+            UnicodeDecodeError, struct.error)
 
 
 def read_cifar_pickle(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Load one CIFAR batch/meta pickle (Python 2 or 3) as a dict with str keys."""
-    with open(path, "rb") as fh:
-        obj = _ArrayUnpickler(fh, encoding="bytes").load()
+    try:
+        with open(path, "rb") as fh:
+            obj = _ArrayUnpickler(fh, encoding="bytes").load()
+    except _RefusedGlobal as err:
+        raise _RefusedGlobal(f"{path}: {err}") from None
+    except _CORRUPT as err:
+        raise ValueError(f"{path}: not a readable CIFAR pickle (truncated or corrupt?): "
+                         f"{type(err).__name__}: {err}") from err
     if not isinstance(obj, dict):
         raise ValueError(f"{path}: expected a dict, got {type(obj).__name__}")
     return {k.decode() if isinstance(k, bytes) else k: v for k, v in obj.items()}
 
 
+def _entry(batch: dict[str, Any], key: str, path: Path) -> Any:
+    if key not in batch:
+        raise ValueError(f"{path}: no {key!r} entry (it has {', '.join(map(repr, sorted(map(str, batch))))})")
+    return batch[key]
+
+
 def _images(batch: dict[str, Any], path: Path) -> np.ndarray:
-    data = np.asarray(batch["data"], dtype=np.uint8)
+    """N x 3 x 32 x 32 uint8; data of another dtype must hold integers in [0, 255] (never wrapped or cut)."""
+    data = np.asarray(_entry(batch, "data", path))
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
         raise ValueError(f"{path}: 'data' has shape {data.shape}, expected N x 3072")
+    if data.dtype != np.uint8:
+        if data.dtype.kind not in "iuf":
+            raise ValueError(f"{path}: 'data' holds {data.dtype}, expected uint8 pixels 0..255")
+        bad = ~((data >= 0) & (data <= 255) & (data == np.round(data)))  # NaN compares False: bad
+        if bad.any():
+            raise ValueError(f"{path}: 'data' ({data.dtype}) has {int(bad.sum())} value(s) that are not integer "
+                             f"pixels 0..255, e.g. {data[bad][0]}; expected uint8 pixels")
+        data = data.astype(np.uint8)
     return data.reshape(-1, 3, 32, 32)
+
+
+def _labels(batch: dict[str, Any], key: str, path: Path) -> np.ndarray:
+    return class_ids(_entry(batch, key, path), f"{path}: {key!r}")
 
 
 def _names(meta: dict[str, Any], key: str) -> list[str] | None:
@@ -132,12 +167,12 @@ def load_cifar10(
     meta_path = folder / "batches.meta"
     meta = read_cifar_pickle(meta_path) if meta_path.is_file() else {}
     train_x = np.concatenate([_images(b, p) for b, p in parts])
-    train_y = np.concatenate([np.asarray(b["labels"], dtype=np.int64) for b, _ in parts])
+    train_y = np.concatenate([_labels(b, "labels", p) for b, p in parts])
     return SourceData(
         train_x=_to_float(train_x, CIFAR10_MEAN, CIFAR10_STD, normalize),
         train_y=train_y,
         test_x=_to_float(_images(test, test_path), CIFAR10_MEAN, CIFAR10_STD, normalize),
-        test_y=np.asarray(test["labels"], dtype=np.int64),
+        test_y=_labels(test, "labels", test_path),
         num_classes=10,
         input_shape=(3, 32, 32),
         name="cifar10",
@@ -166,9 +201,9 @@ def load_cifar100(
     key = f"{label_mode}_labels"
     return SourceData(
         train_x=_to_float(_images(train, folder / "train"), CIFAR100_MEAN, CIFAR100_STD, normalize),
-        train_y=np.asarray(train[key], dtype=np.int64),
+        train_y=_labels(train, key, folder / "train"),
         test_x=_to_float(_images(test, folder / "test"), CIFAR100_MEAN, CIFAR100_STD, normalize),
-        test_y=np.asarray(test[key], dtype=np.int64),
+        test_y=_labels(test, key, folder / "test"),
         num_classes=100 if label_mode == "fine" else 20,
         input_shape=(3, 32, 32),
         name="cifar100" if label_mode == "fine" else "cifar100_coarse",
