@@ -67,7 +67,18 @@ def class_ids(values: object, where: str) -> np.ndarray:
     return y.astype(np.int64)
 
 
-def _check_finite(name: str, split: str, x: np.ndarray | RowBlocks) -> None:
+def check_test_classes(where: str, test_y: np.ndarray, num_classes: int, fix: str,
+                       class_names: Sequence[str] | None = None) -> None:
+    """Refuse test labels >= ``num_classes``, the training labels' range: no client can learn them."""
+    if len(test_y) and test_y.max() >= num_classes:
+        unseen = np.unique(test_y[test_y >= num_classes])[:5].tolist()
+        named = f" ({', '.join(repr(class_names[i]) for i in unseen)})" if class_names is not None else ""
+        raise ValueError(f"{where}: test_y holds class id(s) {', '.join(map(str, unseen))}{named} outside the "
+                         f"training labels' range 0..{num_classes - 1}: no client can learn them, so the test "
+                         f"accuracy would count them as errors. {fix}")
+
+
+def check_finite(name: str, split: str, x: np.ndarray | RowBlocks) -> None:
     """Refuse float features holding NaN or inf at load (one pass, block by block): they would surface
     only as a NaN loss mid-training, whose hints point at the learning rate."""
     for start, block in _blocks(x):
@@ -131,7 +142,7 @@ class SourceData:
                 raise ValueError(f"{self.name}: {split} labels outside [0, {self.num_classes}) (num_classes="
                                  f"{self.num_classes}): {len(bad)} of {len(y)}, e.g. {int(bad[0])}; fix the labels "
                                  "or num_classes")
-            _check_finite(self.name, split, x)
+            check_finite(self.name, split, x)
         for split, groups, y in (
             ("train", self.train_groups, self.train_y),
             ("test", self.test_groups, self.test_y),

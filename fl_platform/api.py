@@ -34,7 +34,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from fl_platform.algorithms.base import AlgorithmSpec
-from fl_platform.datasets.source import SourceData
+from fl_platform.datasets.source import SourceData, check_test_classes
 
 __all__ = ["Result", "compose", "overrides_for", "run", "run_config", "source_from"]
 
@@ -194,12 +194,8 @@ def source_from(data: Any, name: str = "python") -> SourceData:
     if train_y.min() < 0 or (len(test_y) and test_y.min() < 0):
         raise ValueError("data: class ids must be >= 0")
     num_classes = int(train_y.max()) + 1  # the classes the clients can learn
-    if len(test_y) and test_y.max() >= num_classes:
-        unseen = np.unique(test_y[test_y >= num_classes])
-        raise ValueError(f"data: test_y holds class id(s) {', '.join(map(str, unseen[:5].tolist()))} outside the "
-                         f"training labels' range 0..{num_classes - 1}: no client can learn them, so the test accuracy "
-                         "would count them as errors. Fix the labels, or pass a SourceData with num_classes set "
-                         "if the model must have those outputs")
+    check_test_classes("data", test_y, num_classes, "Fix the labels, or pass a SourceData with num_classes set if "
+                       "the model must have those outputs")
     features = (lambda a: a.astype(np.float32, copy=False)) if np.issubdtype(train_x.dtype, np.floating) \
         else (lambda a: a.astype(np.int64, copy=False))  # integer features: token ids
     return SourceData(features(train_x), train_y.astype(np.int64), features(test_x), test_y.astype(np.int64),

@@ -138,6 +138,59 @@ def test_csv_table_with_string_labels_and_groups(tmp_path):
                     channels=1)
 
 
+def _csv(path, lines: list[str]) -> str:
+    path.write_text("\n".join(["f1,f2,label", *lines]) + "\n")
+    return str(path)
+
+
+def _rows(n: int, labels: str = "01") -> list[str]:
+    return [f"{i * 0.1:.1f},{i % 3},{labels[i % len(labels)]}" for i in range(n)]
+
+
+def test_csv_rows_without_a_label_are_refused_naming_the_file(tmp_path):
+    path = _csv(tmp_path / "t.csv", [*_rows(20), "0.5,1,", "0.6,2,"])
+    with pytest.raises(ValueError, match=r"t\.csv: 2 of 22 row\(s\) have no label in column 'label' \(first: row 20"):
+        load_source("hf", path=path, test_split=None, test_fraction=0.25)
+    words = _csv(tmp_path / "w.csv", [*_rows(20, "xy"), "0.5,1,"])  # string labels: no class 'nan' or 'None'
+    with pytest.raises(ValueError, match=r"w\.csv: 1 of 21 row\(s\) have no label"):
+        load_source("hf", path=words, test_split=None, test_fraction=0.25)
+
+
+@pytest.mark.parametrize("labels, test_label, message", [
+    ("01", "7", r"te\.csv: test_y holds class id\(s\) 7 outside the training labels' range 0\.\.1"),
+    ("xy", "zebra", r"te\.csv: test_y holds class id\(s\) 2 \('zebra'\) outside the training labels' range 0\.\.1"),
+])
+def test_a_test_class_that_train_lacks_is_refused(tmp_path, labels, test_label, message):
+    train = _csv(tmp_path / "tr.csv", _rows(20, labels))
+    test = _csv(tmp_path / "te.csv", [f"0.1,1,{labels[0]}", f"0.2,1,{test_label}"])
+    with pytest.raises(ValueError, match=message):
+        load_source("hf", path=train, test_split=test)
+    _csv(tmp_path / "te.csv", [f"0.1,1,{labels[0]}", f"0.2,1,{labels[1]}"])
+    assert load_source("hf", path=train, test_split=test).num_classes == 2
+
+
+def test_a_test_file_lacking_a_column_is_refused_not_filled(tmp_path):
+    train = _csv(tmp_path / "tr.csv", _rows(20))
+    (tmp_path / "te.csv").write_text("f1,label\n0.1,0\n")
+    with pytest.raises(ValueError, match=r"the test split .*te\.csv lacks column\(s\) f2"):
+        load_source("hf", path=train, test_split=str(tmp_path / "te.csv"))
+
+
+def test_a_feature_cell_that_is_empty_is_named_by_its_row_before_standardising(tmp_path):
+    path = _csv(tmp_path / "t.csv", [*_rows(12), ",1,0", *_rows(8)])
+    with pytest.raises(ValueError, match=r"t\.csv: train_x has non-finite values \(NaN or inf\) in 1 row\(s\), first row 12"):
+        load_source("hf", path=path, test_split=None, test_fraction=0.25)
+
+
+def test_a_non_numeric_column_left_out_of_the_features_is_logged(tmp_path, caplog):
+    path = _csv(tmp_path / "t.csv", [*_rows(20), "abc,1,0"])
+    with caplog.at_level("WARNING", logger="fl_platform.datasets.sources.hf"):
+        src = load_source("hf", path=path, test_split=None, test_fraction=0.25)
+    assert src.input_shape == (1,)
+    assert "feature columns 'f1' (Value('large_string')) are not numeric, left out of the features (using f2)" \
+        in caplog.text
+
+
 def test_image_folder_and_save_to_disk_folder(tmp_path):
     images = tmp_path / "imgs"
     for split, n in (("train", 6), ("test", 3)):

@@ -23,6 +23,7 @@ gives the samples natural groups for ``partition=natural``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -32,7 +33,13 @@ from typing import Any
 import numpy as np
 
 from fl_platform.datasets.paths import DatasetNotFoundError, data_root
-from fl_platform.datasets.source import SourceData, standardize, standardized_value
+from fl_platform.datasets.source import (
+    SourceData,
+    check_finite,
+    check_test_classes,
+    standardize,
+    standardized_value,
+)
 from fl_platform.datasets.sources.digits import stratified_split
 
 # The stratified test_fraction split's own seed: the same test set in every run, as for digits.
@@ -40,6 +47,8 @@ SPLIT_SEED = 20240601
 _BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "json"}
 _GRAY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "F"})
 _CACHE_FOLDER = "huggingface"  # under the data root: where Hub downloads are kept
+
+log = logging.getLogger(__name__)
 
 
 def _import_datasets() -> Any:
@@ -150,8 +159,11 @@ def _load_file(datasets: Any, file: Path, root: str | os.PathLike[str] | None, s
     if split != "train":
         raise ValueError(f"hf: dataset.split={split!r} selects a split of a folder or Hub data set; the single file "
                          f"{file.name} is the training split (leave dataset.split=train)")
-    loaded = datasets.load_dataset(builder, data_files=files, cache_dir=cache)
-    return loaded["train"], loaded.get("test")
+    # One load per file: loaded together, the test file would take the train file's columns, a missing one
+    # filled with nulls.
+    train, test = (datasets.load_dataset(builder, data_files={s: files[s]}, split=s, cache_dir=cache)
+                   if s in files else None for s in ("train", "test"))
+    return train, test
 
 
 # ------------------------------------------------------------------ conversion
@@ -198,6 +210,10 @@ def _pick_columns(datasets: Any, features: Any, image_column: str | None, label_
     if not numeric:
         raise ValueError(f"hf: {path!r} has no image column and no numeric feature column (columns: "
                          f"{', '.join(names)}); text is not supported: tokenise it first")
+    if left := [c for c in names if c not in skip and c not in numeric]:
+        log.warning("hf: %r: feature columns %s are not numeric, left out of the features (using %s); a number "
+                    "column with a text cell reads as text: fix that cell, or set dataset.feature_columns",
+                    path, ", ".join(f"{c!r} ({features[c]})" for c in left), ", ".join(numeric))
     return None, label_column, numeric
 
 
@@ -233,24 +249,46 @@ def _ids(values: list[np.ndarray]) -> tuple[list[np.ndarray], list[str]]:
     return [np.searchsorted(uniq, v).astype(np.int64) for v in values], [str(u) for u in uniq]
 
 
-def _labels(datasets: Any, parts: list[Any], column: str) -> tuple[list[np.ndarray], int, list[str] | None]:
+def _missing(values: np.ndarray) -> np.ndarray:
+    """Which of ``values`` are empty cells (None, or NaN in a float column)."""
+    if values.dtype.kind == "f":
+        return np.isnan(values)
+    if values.dtype.kind == "O":
+        return np.array([v is None or (isinstance(v, float) and v != v) for v in values], dtype=bool)
+    return np.zeros(len(values), dtype=bool)
+
+
+def _labels(datasets: Any, parts: list[Any], column: str,
+            sources: list[str]) -> tuple[list[np.ndarray], int, list[str] | None]:
+    """Class ids per split (``sources``: where each split was read, for messages); the classes are the
+    training split's: a test label that no training row has is refused."""
     feature = parts[0].features[column]
     raw = [np.asarray(p.with_format("numpy")[:][column]) for p in parts]
+    for where, r in zip(sources, raw):
+        if (gaps := _missing(r)).any():
+            raise ValueError(f"hf: {where}: {int(gaps.sum())} of {len(r)} row(s) have no label in column {column!r} "
+                             f"(first: row {int(np.argmax(gaps))}, counting from 0); label or drop them")
+    raw = [r.astype(type(r.flat[0])) if r.dtype == object and len(r) else r for r in raw]  # None-free: plain dtype
     if isinstance(feature, datasets.ClassLabel):
         ys, num_classes, names = [r.astype(np.int64) for r in raw], feature.num_classes, list(feature.names)
     elif raw[0].dtype.kind in "USO":
-        ys, names = _ids(raw)
-        num_classes = len(names)
+        train_classes = np.unique(raw[0])  # numbered in sorted order; test-only values after them (refused)
+        uniq = np.concatenate([train_classes, np.setdiff1d(np.concatenate(raw), train_classes)])
+        order = np.argsort(uniq)
+        ys = [order[np.searchsorted(uniq[order], r)].astype(np.int64) for r in raw]
+        num_classes, names = len(train_classes), [str(u) for u in uniq]
     elif raw[0].dtype.kind in "biu" or (raw[0].dtype.kind == "f" and all(np.all(r == np.round(r)) for r in raw)):
         ys, names = [r.astype(np.int64) for r in raw], None
-        num_classes = int(max((int(y.max()) for y in ys if len(y)), default=-1)) + 1
+        num_classes = int(ys[0].max()) + 1 if len(ys[0]) else 0
     else:
         raise ValueError(f"hf: label column {column!r} holds {feature}: labels must be class ids, integers or strings")
     for split, y in zip(("train", "test"), ys):
         if len(y) and y.min() < 0:
             raise ValueError(f"hf: the {split} labels of {column!r} include {int(y.min())} (unlabelled rows?); "
                              "class ids must be >= 0")
-    return ys, num_classes, names
+    if len(ys) > 1:
+        check_test_classes(f"hf: {sources[1]}", ys[1], num_classes, "Fix the labels, or drop those rows", names)
+    return ys, num_classes, None if names is None else names[:num_classes]
 
 
 def _moments(a: np.ndarray, chunk: int = 4096) -> tuple[np.ndarray, np.ndarray]:
@@ -334,17 +372,21 @@ def load_hf(
         if channels is not None and image_col is None:
             raise ValueError("hf: dataset.channels applies to image data; this source is tabular")
         parts = [train] + ([test] if test is not None else [])
-        for p in parts[1:]:
+        single_file = (_local(path, root)[0] or Path()).is_file()
+        sources = [path] + ([test_split if single_file else f"{path} (split {test_split})"] if test is not None else [])
+        for p, where in zip(parts[1:], sources[1:]):
             missing = [c for c in (image_col, label_col, group_column, *columns) if c is not None and c not in p.features]
             if missing:
-                raise ValueError(f"hf: the test split lacks column(s) {', '.join(missing)}")
+                raise ValueError(f"hf: the test split {where} lacks column(s) {', '.join(missing)}")
         if image_col is not None:
             first = train[0][image_col] if len(train) else None
             mode = {1: "L", 3: "RGB"}.get(channels) or ("L" if first is not None and first.mode in _GRAY_MODES else "RGB")
             xs = [_images(datasets, p, image_col, mode, s) for p, s in zip(parts, ("train", "test"))]
         else:
             xs = [_tabular(datasets, p, columns, s) for p, s in zip(parts, ("train", "test"))]
-        ys, num_classes, class_names = _labels(datasets, parts, label_col)
+        for s_name, x, where in zip(("train", "test"), xs, sources):
+            check_finite(f"hf: {where}", s_name, x)  # rows as read, before the test_fraction split and standardising
+        ys, num_classes, class_names = _labels(datasets, parts, label_col, sources)
         groups, group_names = (None, None)
         if group_column is not None:
             groups, group_names = _ids([np.asarray(p.with_format("numpy")[:][group_column]) for p in parts])
