@@ -372,6 +372,11 @@ def build_federated_dataset(
     partition = make_partition(
         partition_name, source.train_y, num_clients, seed, groups=source.train_groups, **part_opts
     )
+    if empty := int((partition.sizes() == 0).sum()):
+        log.warning("partition %s: %d of %d clients hold no training samples (options %s): a round that samples "
+                    "them trains on fewer clients, and per-client evaluation (eval.clients) leaves them out of "
+                    "eval_clients (as it does clients of one sample); give each client data (e.g. partition.min_size)",
+                    partition_name, empty, partition.num_clients, part_opts or "default")
     if partition_name == "natural":
         source = _select_groups(source, partition.num_clients)
     return FederatedDataset.from_source(source, partition, augment)

@@ -188,3 +188,16 @@ def test_row_blocks_clients_views_and_a_partition_that_mixes_blocks(monkeypatch,
         mixed = build_federated_dataset("synthetic", 3000, "iid", seed=2, source_options=opts)
     assert len(mixed.train_blocks) == 1 and torch.equal(mixed.train_x, whole.train_x)
     assert "joined into one" in caplog.text
+
+
+def test_empty_clients_are_logged_with_the_consequence(caplog):
+    with caplog.at_level("WARNING", logger="fl_platform.datasets.federated"):
+        fd = build_federated_dataset("digits", 200, "dirichlet", partition_options={"alpha": 0.05, "min_size": 0})
+    empty = int((fd.client_sizes() == 0).sum())
+    assert empty > 0
+    assert f"partition dirichlet: {empty} of 200 clients hold no training samples" in caplog.text
+    assert "leaves them out of eval_clients" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fl_platform.datasets.federated"):
+        build_federated_dataset("digits", 10, "iid")
+    assert "no training samples" not in caplog.text
