@@ -104,7 +104,8 @@ class SourceData:
     """Train and test arrays of one data source plus what the partitioners and models need to know.
 
     Features are float32 (images N x C x H x W, scaled to [0, 1] then standardised with fixed
-    per-dataset constants) or int64 token ids (text). Labels are int64 class ids. ``train_x`` may be
+    per-dataset constants) or int64 token ids (text), the same dtype in both splits; other dtypes are
+    refused, not converted. Labels are class ids (whole numbers, stored int64). Neither split may be empty. ``train_x`` may be
     :class:`RowBlocks` (Synthetic at scale: see there).
     ``train_groups``/``test_groups`` hold a natural group id per sample (writer, speaker, synthetic
     device), numbered 0..G-1 in sorted order of ``group_names``; None when the source has no groups.
@@ -127,10 +128,18 @@ class SourceData:
     pad_value: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        self.train_y = np.asarray(self.train_y, dtype=np.int64)
-        self.test_y = np.asarray(self.test_y, dtype=np.int64)
+        self.train_y = class_ids(self.train_y, f"{self.name}: train_y")
+        self.test_y = class_ids(self.test_y, f"{self.name}: test_y")
         self.input_shape = tuple(int(d) for d in self.input_shape)
         for split, x, y in (("train", self.train_x, self.train_y), ("test", self.test_x, self.test_y)):
+            if not isinstance(x, np.ndarray | RowBlocks) or x.dtype not in (np.float32, np.int64):
+                got = f"dtype {x.dtype}" if isinstance(x, np.ndarray | RowBlocks) else type(x).__name__
+                raise TypeError(f"{self.name}: {split}_x must be a numpy array of float32 features or int64 token "
+                                f"ids, got {got} (convert it, e.g. np.asarray(x, dtype=np.float32))")
+            if not len(y):
+                raise ValueError(f"{self.name}: the {split} set is empty (0 rows): a run would report "
+                                 f"{'test accuracy over no samples' if split == 'test' else 'nothing learned'}; "
+                                 f"give the source {split} rows")
             if len(x) != len(y):
                 raise ValueError(f"{self.name}: {split}_x has {len(x)} rows but {split}_y has {len(y)}")
             if tuple(x.shape[1:]) != self.input_shape:
@@ -143,6 +152,9 @@ class SourceData:
                                  f"{self.num_classes}): {len(bad)} of {len(y)}, e.g. {int(bad[0])}; fix the labels "
                                  "or num_classes")
             check_finite(self.name, split, x)
+        if self.train_x.dtype != self.test_x.dtype:
+            raise TypeError(f"{self.name}: train_x is {self.train_x.dtype} but test_x is {self.test_x.dtype}; give both "
+                            "the same dtype (float32 features or int64 token ids)")
         for split, groups, y in (
             ("train", self.train_groups, self.train_y),
             ("test", self.test_groups, self.test_y),

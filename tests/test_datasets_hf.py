@@ -281,3 +281,9 @@ def test_hf_runs_as_an_experiment_with_augmentation(parquet):
         load_source("hf", path=str(folder / "train.parquet"), test_split=str(folder / "test.parquet")).pad_value)
     assert exp.data.input_shape == (3, 8, 6) and exp.data.num_clients == 3
     assert exp.simulation.history and "test_accuracy" in exp.simulation.history[-1]
+
+
+def test_a_test_fraction_that_leaves_no_test_rows_is_refused(tmp_path):
+    path = _csv(tmp_path / "few.csv", _rows(3))
+    with pytest.raises(ValueError, match=r"hf:.*few\.csv: the test set is empty \(0 rows\)"):
+        load_source("hf", path=path, test_split=None, test_fraction=0.25)

@@ -20,7 +20,7 @@ import pytest
 from fl_platform.datasets.download import fetch
 from fl_platform.datasets.paths import ENV_VAR, DatasetNotFoundError, DownloadError, data_root
 from fl_platform.datasets.registry import SOURCES, load_source, source_options
-from fl_platform.datasets.source import RowBlocks
+from fl_platform.datasets.source import RowBlocks, SourceData
 from fl_platform.datasets.sources import synthetic
 from fl_platform.datasets.sources.cifar import load_cifar10, load_cifar100, read_cifar_pickle
 from fl_platform.datasets.sources.digits import load_digits
@@ -239,6 +239,41 @@ def test_real_fashion_mnist():
     assert np.bincount(s.train_y).tolist() == [6000] * 10
     assert np.bincount(s.test_y).tolist() == [1000] * 10
     assert abs(float(s.train_x.mean())) < 0.01 and abs(float(s.train_x.std()) - 1) < 0.01
+
+
+# --- SourceData (what a custom loader returns) ----------------------------------------------
+def _arrays() -> dict:
+    rng = np.random.default_rng(0)
+    return {"train_x": rng.normal(size=(12, 4)).astype(np.float32), "train_y": np.arange(12) % 3,
+            "test_x": rng.normal(size=(6, 4)).astype(np.float32), "test_y": np.arange(6) % 3}
+
+
+@pytest.mark.parametrize("change, error, message", [
+    ({"train_x": lambda a: a.astype(np.float64)}, TypeError,
+     r"mine: train_x must be a numpy array of float32 features or int64 token ids, got dtype float64"),
+    ({"test_x": lambda a: a.astype(object)}, TypeError, r"mine: test_x must be .* got dtype object"),
+    ({"train_x": lambda a: a.tolist()}, TypeError, r"mine: train_x must be a numpy array .* got list"),
+    ({"train_x": lambda a: a.astype(np.int32)}, TypeError, r"mine: train_x must be .* got dtype int32"),
+    ({"train_x": lambda a: a.astype(np.int64)}, TypeError, r"mine: train_x is int64 but test_x is float32"),
+    ({"train_y": lambda y: y + 0.6}, ValueError, r"mine: train_y: labels must be integer class ids; 12 of 12"),
+    ({"test_y": lambda y: np.where(y == 1, np.nan, y)}, ValueError, r"mine: test_y: labels must be integer class ids"),
+    ({"train_y": lambda y: y.astype(str)}, ValueError, r"mine: train_y: labels must be integer class ids, got dtype <U"),
+    ({"train_y": lambda y: y[:, None]}, ValueError, r"mine: train_y: labels must be a 1-d array .* shape \(12, 1\)"),
+    ({"test_x": lambda a: a[:0], "test_y": lambda y: y[:0]}, ValueError, r"mine: the test set is empty \(0 rows\)"),
+    ({"train_x": lambda a: a[:0], "train_y": lambda y: y[:0]}, ValueError, r"mine: the train set is empty"),
+])
+def test_source_data_refuses_dtypes_labels_and_empty_splits_it_cannot_train_on(change, error, message):
+    arrays = _arrays()
+    arrays.update({k: f(arrays[k]) for k, f in change.items()})
+    with pytest.raises(error, match=message):
+        SourceData(**arrays, num_classes=3, input_shape=(4,), name="mine")
+
+
+def test_source_data_takes_whole_float_labels_as_class_ids():
+    arrays = _arrays()
+    s = SourceData(**{**arrays, "train_y": arrays["train_y"].astype(np.float64)}, num_classes=3, input_shape=(4,),
+                   name="mine")
+    assert s.train_y.dtype == np.int64 and s.train_y.tolist() == arrays["train_y"].tolist()
 
 
 # --- CIFAR ----------------------------------------------------------------------------------
