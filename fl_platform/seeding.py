@@ -59,14 +59,28 @@ _HASH_A = _mixing_constants(_MAX_WORDS)
 _HASH_B = _hash_constants(2, _INIT_B, _MULT_B)  # the two output words
 
 
+def seed_words(seed: int) -> list[int]:
+    """``seed`` as SeedSequence reads an integer: its 32-bit words, least significant first, so every bit
+    counts (a secret seed of 128 bits keeps 128; a negative seed is taken mod 2**32)."""
+    seed = int(seed)
+    if seed < 0:
+        return [seed & _MASK]
+    words = [seed & _MASK]
+    while seed > _MASK:
+        seed >>= 32
+        words.append(seed & _MASK)
+    return words
+
+
 def derive_seed(seed: int, *keys: int) -> int:
     """A 63-bit seed that is a pure function of ``seed`` and the integer ``keys``.
 
-    Equal to ``SeedSequence([seed, *keys] mod 2**32).generate_state(1, uint64) >> 1`` (tested),
-    evaluated with Python integers and tabulated hash constants: about 7 us instead of
-    SeedSequence's 10.5, paid twice per client by the training loop (its shuffle and torch's RNG).
+    Equal to ``SeedSequence([seed, *keys mod 2**32]).generate_state(1, uint64) >> 1`` (tested; a seed of
+    2**32 or more is its words, ``seed_words``), evaluated with Python integers and tabulated hash
+    constants: about 7 us instead of SeedSequence's 10.5, paid twice per client by the training loop (its
+    shuffle and torch's RNG).
     """
-    words = [int(seed) & _MASK, *(int(k) & _MASK for k in keys)]
+    words = [*seed_words(seed), *(int(k) & _MASK for k in keys)]
     if len(words) > _MAX_WORDS:
         return int(derive_seeds(*words)[0])
     words += [0] * (_POOL - len(words))
@@ -100,7 +114,7 @@ def derive_seeds(seed: int, *keys: int | np.ndarray) -> np.ndarray:
     (about 15 us each, a visible share of a vectorised round).
     """
     words = np.broadcast_arrays(*(np.atleast_1d(np.asarray(k, dtype=np.int64)).astype(np.uint64) & np.uint64(_MASK)
-                                  for k in (seed, *keys)))
+                                  for k in (*seed_words(seed), *keys)))
     shape = words[0].shape
     consts = iter(_mixing_constants(len(words)))
 
