@@ -518,6 +518,43 @@ def test_a_killed_flower_run_resumes_from_its_checkpoint_to_the_uninterrupted_re
     assert trained_rounds(over) == [1, 2, 3]
 
 
+def test_a_restarted_dp_deployment_draws_its_cohorts_from_the_secret_it_checkpointed(tmp_path):
+    """Local DP, 2 of 6 clients a round: the ServerApp dies as round 3 starts and a new one resumes. The
+    cohorts of all three rounds (before and after the restart) are those of the one secret in the
+    checkpoint, and the logged worst participation count is that of the cohorts that ran (a fresh secret
+    on restart made the accountant recount rounds 1-2 from cohorts that never ran)."""
+    from fl_platform.privacy.setup import SAMPLING_SEED_KEY
+    from fl_platform.rounds.checkpoint import Checkpointer
+    from fl_platform.rounds.sampling import sample_clients
+    from fl_platform.rounds.simulation import PRIVACY_STATE
+
+    rc = run_config("num_clients=6", "clients_per_round=2", "checkpoint_every=1", "privacy=local",
+                    "privacy.clip=1.0", "privacy.noise_multiplier=1.0", "privacy.delta=1e-3", "privacy.sampling=fixed")
+    killed = LocalGrid(client_app, nodes(6), rc)
+    dies_at_round(killed, 3)
+    with pytest.raises(ServerAppKilled):
+        run_server(killed, rc, run_dir=tmp_path / "run")
+    before = Checkpointer(tmp_path / "run" / "checkpoint", 1).load().server[PRIVACY_STATE][SAMPLING_SEED_KEY]
+    again = LocalGrid(client_app, nodes(6), rc, run_id=2)
+    run_server(again, rc, run_id=2, run_dir=tmp_path / "run")
+    secret = Checkpointer(tmp_path / "run" / "checkpoint", 1).load().server[PRIVACY_STATE][SAMPLING_SEED_KEY]
+    assert secret == before and secret.bit_length() > 64
+
+    def cohorts(grid) -> dict[int, set[int]]:
+        out: dict[int, set[int]] = {}
+        for m in grid.pushed:
+            if m.metadata.message_type == "train":
+                out.setdefault(int(m.metadata.group_id), set()).add(m.metadata.dst_node_id - 1000)
+        return out
+
+    ran = {**cohorts(killed), **cohorts(again)}
+    assert sorted(ran) == [1, 2, 3]
+    assert ran == {r + 1: set(sample_clients(secret, r, 6, 2)) for r in range(3)}
+    counts = [sum(c in ran[r] for r in ran) for c in range(6)]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["dp_max_participations"] == max(counts)
+
+
 def test_resume_is_refused_when_the_clients_state_lived_on_the_supernodes(tmp_path):
     """SCAFFOLD's c_i is in each SuperNode's per-run context.state: a new run cannot have it, and must not
     silently start the clients from zero."""

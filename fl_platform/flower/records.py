@@ -15,7 +15,7 @@ train message (server -> client)                 reply (client -> server)
 A client is told its own id and what it needs to train (the seed: its minibatch order, augmentation
 and compression draws are (seed, round, client) streams, as in the simulator), never the round's cohort:
 its ``RoundContext.clients`` is itself alone. No DP noise is derived from anything here: in a
-deployment the server and each client draw it from their own OS CSPRNG (``privacy.clipping.noise_generator``).
+deployment the server and each client draw it from their own OS CSPRNG (``privacy.clipping.gaussian_noise``).
 Under local DP the reply's sample count is 0 and its metrics are only what compression computes
 from the noised update (``ClientPrivacy.apply``).
 

@@ -38,7 +38,7 @@ from fl_platform.privacy.setup import deployed, make_server_privacy, secret_samp
 from fl_platform.reporting import Reporter
 from fl_platform.rounds.checkpoint import Checkpoint
 from fl_platform.rounds.setup import resolve_device
-from fl_platform.rounds.simulation import LoopConfig, Simulation
+from fl_platform.rounds.simulation import PRIVACY_STATE, LoopConfig, Simulation
 from fl_platform.run_config import RunConfig, read_config
 from fl_platform.seeding import Stream, seed_torch_global
 from fl_platform.training.flat import FlatModel
@@ -133,10 +133,13 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
                                    cfg.algorithm_name)
         # Under DP the noise comes from this server's OS CSPRNG and the cohorts from a secret of its own: every
         # client is sent the seed, from which both could otherwise be computed.
-        sampling_seed = secret_sampling_seed(setup.privacy)
+        # A restart reads the secret back from the checkpoint (the cohorts and local DP's counts go on).
+        sampling_seed = secret_sampling_seed(setup.privacy,
+                                             ckpt.server.get(PRIVACY_STATE) if ckpt is not None else None)
         privacy = make_server_privacy(deployed(setup.privacy), spec, setup.algorithm_conf, sizes,
                                       num_clients=cfg.num_clients, clients_per_round=cfg.clients_per_round,
-                                      rounds=cfg.rounds, seed=cfg.seed if sampling_seed is None else sampling_seed)
+                                      rounds=cfg.rounds, seed=cfg.seed if sampling_seed is None else sampling_seed,
+                                      secret_seed=sampling_seed is not None)
         strategy = AlgorithmStrategy(server, seed=cfg.seed, num_rounds=cfg.rounds, num_clients=cfg.num_clients,
                                      clients_per_round=cfg.clients_per_round, deploy=deploy,
                                      expected_sizes=sizes, codec=PayloadCodec(uplink) if uplink is not None else None,

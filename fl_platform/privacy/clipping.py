@@ -14,7 +14,7 @@ clipped is what is compressed):
    the server noises its sum: Andrew et al. 2021);
 5. local DP: N(0, (z C)^2) is added to each clipped tensor, drawn from (seed, PRIVACY, round, client),
    or with ``privacy.secure_rng`` (always in a Flower deployment) from the client's own OS CSPRNG
-   (``noise_generator``); then the update keeps nothing else it could leak: no metrics, no sample count
+   (``gaussian_noise``); then the update keeps nothing else it could leak: no metrics, no sample count
    (the server replaces the weights by a public constant anyway).
 
 Central DP then bounds what the server decodes (``bound``): after compression, the decoded private
@@ -27,7 +27,7 @@ at C. In a deployment it runs on the server, which must not trust a client's cli
 from __future__ import annotations
 
 import math
-import secrets
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -45,16 +45,26 @@ NORM_METRIC = "dp_update_norm"  # the update's norm before clipping (mean over c
 LOCAL_NOISE_KEY = 1  # (seed, PRIVACY, round, LOCAL_NOISE_KEY, client, tensor index): local DP noise
 
 
-def noise_generator(secure: bool, device: torch.device | str, seed: int, *keys: int) -> torch.Generator:
-    """Where a set of DP noise draws comes from. Seeded (the simulation's default): a CPU generator from
-    (seed, *keys), reproducible and equal on every runtime, and so derivable by whoever knows the seed.
-    ``secure``: a generator on ``device`` seeded with 64 bits from the OS's CSPRNG (``secrets``), fresh per
-    draw-set and derived from nothing that is sent or logged (DESIGN.md: secrets are secret)."""
+def gaussian_noise(secure: bool, shape: tuple[int, ...], dtype: torch.dtype, seed: int, *keys: int) -> torch.Tensor:
+    """N(0, 1) draws of ``shape`` on the CPU, for noise that protects someone's data.
+
+    Seeded (the simulation's default): from a torch generator of (seed, *keys), reproducible and equal on
+    every runtime, and so derivable by whoever knows the seed. ``secure`` (always in a Flower deployment):
+    every bit from the OS's CSPRNG (``os.urandom``), by Box-Muller, fresh per call and derived from nothing
+    that is sent or logged. Not a torch generator seeded from the CSPRNG: torch's CPU generator keeps 32 bits
+    of its seed, and whoever sees the noised value can search them (the right seed leaves a remainder of
+    norm at most the clip, a wrong one of norm about z C sqrt(d))."""
     if not secure:
-        return torch_generator(seed, *keys)
-    gen = torch.Generator(device=device)
-    gen.manual_seed(secrets.randbits(64))
-    return gen
+        return torch.randn(shape, generator=torch_generator(seed, *keys), dtype=dtype)
+    n = math.prod(shape)
+    if n == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pairs = (n + 1) // 2
+    words = torch.frombuffer(bytearray(os.urandom(16 * pairs)), dtype=torch.int64)
+    u = (words & (2**53 - 1)).to(torch.float64).mul_(2.0**-53)  # uniform on [0, 1): 53 secret bits each
+    radius = torch.log1p(-u[:pairs]).mul_(-2.0).sqrt_()  # (1 - u > 0: the log is finite)
+    angle = u[pairs:].mul_(2 * math.pi)
+    return torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])[:n].reshape(shape).to(dtype)
 
 
 def joint_norm(tensors: Iterable[torch.Tensor]) -> float:
@@ -130,9 +140,8 @@ class ClientPrivacy:
             z = float(self.conf.noise_multiplier or 0.0)
             if z:
                 for i, (name, u) in enumerate(units.items()):
-                    gen = noise_generator(self.secure, u.device, ctx.seed, Stream.PRIVACY, ctx.round, LOCAL_NOISE_KEY,
-                                          update.client_id, i)
-                    noise = torch.randn(u.shape, generator=gen, dtype=torch.float32, device=gen.device)
+                    noise = gaussian_noise(self.secure, tuple(u.shape), torch.float32, ctx.seed, Stream.PRIVACY,
+                                           ctx.round, LOCAL_NOISE_KEY, update.client_id, i)
                     units[name] = u + noise.to(u.device, u.dtype).mul_(z * clip)
         if self.adaptive:
             units[BELOW] = torch.tensor([(1.0 if norm <= clip else 0.0) - 0.5], dtype=torch.float32,

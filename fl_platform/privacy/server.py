@@ -28,8 +28,9 @@ import torch
 
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, RoundContext
 from fl_platform.privacy.accounting import Accountant, check_pld_size
-from fl_platform.privacy.clipping import BELOW, CLIP_KEY, bound_decoded, noise_generator
+from fl_platform.privacy.clipping import BELOW, CLIP_KEY, bound_decoded, gaussian_noise
 from fl_platform.privacy.config import PrivacyConf, count_stddev, update_noise_multiplier
+from fl_platform.privacy.setup import SAMPLING_SEED_KEY
 from fl_platform.privacy.spec import PrivateUploads
 from fl_platform.seeding import Stream
 
@@ -38,7 +39,9 @@ SERVER_NOISE_KEY = 0  # (seed, PRIVACY, round, SERVER_NOISE_KEY, i): the noise o
 
 class ServerPrivacy:
     def __init__(self, conf: PrivacyConf, private: PrivateUploads, sizes: dict[str, int], *, num_clients: int,
-                 clients_per_round: int, rounds: int, seed: int) -> None:
+                 clients_per_round: int, rounds: int, seed: int, secret_seed: bool = False) -> None:
+        """``seed``: the cohorts' seed, from which local DP's accountant counts participations; ``secret_seed``:
+        it is a deployment's secret (``setup.secret_sampling_seed``), kept in the checkpoint for a restart."""
         if conf.name not in ("central", "local"):
             raise ValueError(f"ServerPrivacy needs privacy=central or local, got {conf.name!r}")
         missing = [name for name in private.tensors if name not in sizes]
@@ -51,6 +54,7 @@ class ServerPrivacy:
         self.secure = bool(conf.secure_rng)
         self.adaptive = self.central and conf.adaptive.enabled
         self.seed = seed
+        self.secret_seed = secret_seed
         self.expected = float(clients_per_round)
         if conf.noise_multiplier is None:
             raise ValueError("privacy.noise_multiplier=null must be resolved before the server half is built "
@@ -93,12 +97,11 @@ class ServerPrivacy:
         if self.central:
             bound_decoded(update, self.private, self.clip)
 
-    def _noise(self, ctx: RoundContext, index: int, shape: tuple[int, ...], std: float,
-               device: torch.device | str = "cpu") -> torch.Tensor:
+    def _noise(self, ctx: RoundContext, index: int, shape: tuple[int, ...], std: float) -> torch.Tensor:
         """Seeded from (seed, PRIVACY, round, index), or from the server's OS CSPRNG (``privacy.secure_rng``,
-        always in a Flower deployment), drawn on ``device`` then."""
-        gen = noise_generator(self.secure, device, ctx.seed, Stream.PRIVACY, ctx.round, SERVER_NOISE_KEY, index)
-        return torch.randn(shape, generator=gen, dtype=torch.float64, device=gen.device).mul_(std)
+        always in a Flower deployment): ``clipping.gaussian_noise``, on the CPU, in float64."""
+        return gaussian_noise(self.secure, shape, torch.float64, ctx.seed, Stream.PRIVACY, ctx.round,
+                              SERVER_NOISE_KEY, index).mul_(std)
 
     def privatise(self, ctx: RoundContext, agg: Aggregate) -> dict[str, float]:
         """Noise the sum (central), fix the denominators, adapt C; returns the round's dp_* metrics."""
@@ -109,7 +112,7 @@ class ServerPrivacy:
             if total is None:  # no client this round (Poisson sampling, or all rejected): noise alone
                 total = torch.zeros(self.sizes[name], dtype=torch.float64)
             if std > 0:
-                total = total + self._noise(ctx, i, tuple(total.shape), std, total.device).to(total.device)
+                total = total + self._noise(ctx, i, tuple(total.shape), std).to(total.device)
             agg.tensors[name] = total
         extra = sorted(set(agg.weights) - set(self.private.weights))
         if extra:
@@ -165,10 +168,22 @@ class ServerPrivacy:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"clip": self.clip, "noise_multiplier": self.noise_multiplier}
+        """Adaptive clipping's C, and a deployment's secret cohort seed (on the server's disk only: the
+        server draws the cohorts, so it knows them anyway)."""
+        return {"clip": self.clip, "noise_multiplier": self.noise_multiplier,
+                **({SAMPLING_SEED_KEY: self.seed} if self.secret_seed else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if abs(float(state["noise_multiplier"]) - self.noise_multiplier) > 1e-12:
             raise ValueError(f"the checkpoint's noise multiplier {state['noise_multiplier']} differs from this run's "
                              f"{self.noise_multiplier}")
+        kept = state.get(SAMPLING_SEED_KEY)
+        if kept is not None and (not self.secret_seed or int(kept) != self.seed):
+            raise ValueError("the checkpoint's cohorts were drawn from a secret seed that this run does not use: "
+                             "resume it through the Flower ServerApp, which reads the secret back "
+                             "(privacy.setup.secret_sampling_seed)")
+        if kept is None and self.secret_seed and not self.central:
+            raise ValueError("the checkpoint keeps no secret cohort seed (it predates keeping it, or a simulation "
+                             "made it): local DP's accountant recounts each client's participations from that seed, "
+                             "so it cannot count the rounds already run; start the deployment afresh")
         self.clip = float(state["clip"])

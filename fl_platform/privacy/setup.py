@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from fl_platform.privacy.config import PrivacyConf, check_values, privacy_conf
@@ -76,6 +77,9 @@ def resolved_privacy(run: RunConfig) -> PrivacyConf:
     return conf
 
 
+SAMPLING_SEED_KEY = "sampling_secret"  # in the checkpointed privacy state: a deployment's secret cohort seed
+
+
 def deployed(conf: PrivacyConf | None) -> PrivacyConf | None:
     """A Flower deployment's privacy config: ``secure_rng`` on, whatever the run config says. Every client
     is sent the run's seed (it draws its minibatches from it), so noise from that seed would be known to
@@ -85,15 +89,22 @@ def deployed(conf: PrivacyConf | None) -> PrivacyConf | None:
     return dataclasses.replace(conf, secure_rng=True)
 
 
-def secret_sampling_seed(conf: PrivacyConf | None) -> int | None:
-    """A Flower deployment's seed for the cohorts under DP: 63 bits from the server's OS CSPRNG, kept on the
+def secret_sampling_seed(conf: PrivacyConf | None, kept: Mapping[str, Any] | None = None) -> int | None:
+    """A Flower deployment's seed for the cohorts under DP: 128 bits from the server's OS CSPRNG, kept on the
     server (the accountant's amplification by sampling assumes the cohorts hidden, and every client is sent
-    the run's seed); None without DP (the cohorts of the run's seed, as the simulator draws them)."""
+    the run's seed); None without DP (the cohorts of the run's seed, as the simulator draws them).
+
+    ``kept``: the privacy state of the checkpoint a run resumes from. Its secret is reused, so the rounds
+    after the restart draw the cohorts of an uninterrupted run and local DP's accountant, which recounts
+    each client's participations from the seed, counts the cohorts that ran (a fresh secret would recount
+    rounds that never ran)."""
     if conf is None or conf.name == "none":
         return None
+    if kept is not None and kept.get(SAMPLING_SEED_KEY) is not None:
+        return int(kept[SAMPLING_SEED_KEY])
     import secrets
 
-    return secrets.randbits(63)
+    return secrets.randbits(128)
 
 
 def make_client_privacy(conf: PrivacyConf | None, spec: Any, alg_conf: Any):
@@ -106,15 +117,16 @@ def make_client_privacy(conf: PrivacyConf | None, spec: Any, alg_conf: Any):
 
 
 def make_server_privacy(conf: PrivacyConf | None, spec: Any, alg_conf: Any, sizes: dict[str, int], *,
-                        num_clients: int, clients_per_round: int, rounds: int, seed: int):
+                        num_clients: int, clients_per_round: int, rounds: int, seed: int, secret_seed: bool = False):
     """The server half (``server.ServerPrivacy``), or None for ``privacy=none``. ``sizes``: the
-    contribution's tensor sizes (``compression.uplink.contribution_sizes``)."""
+    contribution's tensor sizes (``compression.uplink.contribution_sizes``); ``secret_seed``: ``seed`` is a
+    deployment's secret cohort seed."""
     if conf is None or conf.name == "none":
         return None
     from fl_platform.privacy.server import ServerPrivacy
 
     return ServerPrivacy(conf, private_uploads_of(spec, alg_conf, conf.name), sizes, num_clients=num_clients,
-                         clients_per_round=clients_per_round, rounds=rounds, seed=seed)
+                         clients_per_round=clients_per_round, rounds=rounds, seed=seed, secret_seed=secret_seed)
 
 
 def server_privacy_for(conf: PrivacyConf | None, spec: Any, alg_conf: Any, alg_setup: Any, fm: Any, *,
