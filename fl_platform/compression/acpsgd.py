@@ -44,7 +44,13 @@ class ACPSGD(LowRank):
         a, b = matrix_shape(shape)
         return value_bytes * self.rank * (a if phase == "p" else b)
 
-    def encode(self, x: torch.Tensor, state: State | None = None, key: Key = NO_KEY) -> tuple[Payload, State]:
+    def encode(self, x: torch.Tensor, state: State | None = None, key: Key = NO_KEY,
+               phase: str | None = None) -> tuple[Payload, State]:
+        """``phase`` ("p" or "q"), when the caller counts the steps itself (:class:`ACPSGDSync` does, on the
+        host): the state's counter is then not read, a read that would make the host wait for the device
+        once per tensor per step. Left out, it is read from the state (tests, one-off calls)."""
+        if phase not in (None, "p", "q"):
+            raise ValueError(f"acpsgd: phase must be 'p' or 'q', got {phase!r}")
         shape = tuple(x.shape)
         if not self.compressible(shape):
             return dense_payload(x), {}
@@ -52,7 +58,9 @@ class ACPSGD(LowRank):
         a, b = matrix_shape(shape)
         m = x.detach().reshape(a, b).to(torch.promote_types(x.dtype, torch.float32))
         p, q, step = st["p"].view(a, self.rank), st["q"].view(b, self.rank), st["step"]
-        if int(step.item()) % 2 == 0:
+        if phase is None:
+            phase = "p" if int(step.item()) % 2 == 0 else "q"
+        if phase == "p":
             q = orthonormalize(q).to(m.dtype)
             payload = Payload({"p": (m @ q).to(torch.float32)}, shape, x.dtype, {"phase": "p"})
         else:

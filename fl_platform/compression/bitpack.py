@@ -44,12 +44,18 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return bits.reshape(-1)[:n]
 
 
-def pack_uint(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack non-negative integers below ``2**bits`` into ``bits`` bits each (``uint8`` output)."""
+def pack_uint(values: torch.Tensor, bits: int, checked: bool = True) -> torch.Tensor:
+    """Pack non-negative integers below ``2**bits`` into ``bits`` bits each (``uint8`` output).
+
+    The range check reads the values' min and max back to the host (a GPU stall); a caller whose
+    values lie in range by construction passes ``checked=False`` and says why (QSGD's levels, once
+    per segment per S-SGD step). The packing is the same either way; out-of-range values would not
+    round-trip.
+    """
     if not 1 <= bits <= 16:
         raise ValueError(f"bits must be in 1..16, got {bits}")
     v = values.reshape(-1)
-    if v.numel() and (int(v.min()) < 0 or int(v.max()) >= 2**bits):
+    if checked and v.numel() and (int(v.min()) < 0 or int(v.max()) >= 2**bits):
         raise ValueError(f"values must lie in [0, {2**bits}) to fit {bits} bits")
     if 8 % bits == 0:  # whole values per byte: one shift-and-sum (the same bit layout, much faster)
         per = 8 // bits
@@ -69,8 +75,7 @@ def unpack_uint(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         if packed.numel() < packed_size(n, bits):
             raise ValueError(f"{packed.numel()} packed bytes hold fewer than n={n} values of {bits} bits")
         shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
-        mask = torch.tensor(2**bits - 1, dtype=torch.uint8, device=packed.device)
-        return packed.reshape(-1, 1).bitwise_right_shift(shifts).bitwise_and(mask).reshape(-1)[:n].to(torch.int64)
+        return packed.reshape(-1, 1).bitwise_right_shift(shifts).bitwise_and(2**bits - 1).reshape(-1)[:n].to(torch.int64)
     flat = unpack_bits(packed, n * bits).view(n, bits).to(torch.int64)
     shifts = torch.arange(bits, device=packed.device, dtype=torch.int64)
     return flat.bitwise_left_shift(shifts).sum(dim=1)

@@ -12,6 +12,8 @@ is computed by the caller from ``PowerSGD.reconstruct``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from fl_platform.compression.base import NO_KEY, Compressor, Key, Payload, State
@@ -39,10 +41,12 @@ class ErrorFeedback(Compressor):
         inner = {k: v for k, v in state.items() if k != "residual"}
         return inner or None
 
-    def encode(self, x: torch.Tensor, state: State | None = None, key: Key = NO_KEY) -> tuple[Payload, State]:
+    def encode(self, x: torch.Tensor, state: State | None = None, key: Key = NO_KEY,
+               **options: Any) -> tuple[Payload, State]:
+        """``options`` go to the inner compressor's ``encode`` (ACP-SGD's ``phase``)."""
         residual = (state or {}).get("residual")
         a = x.detach() if residual is None else x.detach() + residual.view(x.shape).to(x.dtype)
-        payload, inner_state = self.inner.encode(a, self._inner(state), key)
+        payload, inner_state = self.inner.encode(a, self._inner(state), key, **options)
         new_residual = (a - self.inner.decode(payload, inner_state)).reshape(-1)
         return payload, {"residual": new_residual, **inner_state}
 

@@ -118,9 +118,9 @@ class ACPSGDSync:
                                "once after every backward (gradient accumulation is not supported)")
         g = torch.zeros(e.shape, device=self.fm.device) if grad is None else grad.detach()
         key = Key(self.seed, step=self.step, sender=self.rank, tensor=(e.index,))
-        payload, new_state = self.compressor.encode(g, e.state, key)
+        ph = self.phase  # from the host's step count: the state's counter is not read back
+        payload, new_state = self.compressor.encode(g, e.state, key, phase=ph)
         e.pending = (payload, new_state)
-        ph = self.phase
         group, offset = e.slot[ph]
         flat = torch.cat([payload.tensors[k].reshape(-1).to(torch.float32) for k in sorted(payload.tensors)])
         if flat.numel() != e.sizes[ph]:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from fl_platform.seeding import Stream, torch_generator
+from fl_platform.training.step import to_device
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ def shard_indices(num_samples: int, world_size: int, rank: int, seed: int, epoch
     if per_rank == 0:
         raise ValueError(f"{num_samples} training samples cannot be shared by {world_size} workers")
     perm = torch.randperm(num_samples, generator=torch_generator(seed, Stream.SHUFFLE, epoch))
-    return perm[rank : per_rank * world_size : world_size].to(device)
+    return to_device(perm[rank : per_rank * world_size : world_size], torch.device(device))  # pinned, non-blocking
 
 
 def average_(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
