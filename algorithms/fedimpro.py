@@ -183,24 +183,29 @@ class ClassStats:
         """Fold in the detached, flattened real features ``h`` ``[B, D]`` with labels ``y``."""
         h = h.detach().to(torch.float64)
         c = self.count.numel()
-        n = torch.bincount(y, minlength=c).to(torch.float64)
+        # Counts by index_add_ of ones (exact in float64): bincount would read y's range back to the host.
+        n = torch.zeros(c, dtype=torch.float64, device=h.device).index_add_(0, y, h.new_ones(y.shape[0]))
         self.count += n
         if self.mode == "exact":
             self.sum.index_add_(0, y, h)
             self.sumsq.index_add_(0, y, h * h)
         else:
+            # Every class is updated with the same elementwise arithmetic and ``torch.where`` keeps the old
+            # values of absent classes (and sigma of one-sample classes): no boolean-mask indexing, whose
+            # output size the host would have to read back each step. Divisors are clamped so the rows
+            # ``where`` discards stay finite; the kept rows are bit-identical to indexing them.
             s = torch.zeros_like(self.sum).index_add_(0, y, h)
             sq = torch.zeros_like(self.sumsq).index_add_(0, y, h * h)
             a = self.momentum
-            present = n > 0
-            mean = s[present] / n[present, None]
-            self.mu[present] = ((1 - a) * self.mu[present].to(torch.float64) + a * mean).to(self.mu.dtype)
-            multi = n >= 2  # the std of one sample is NaN in the reference and skipped
-            if bool(multi.any()):
-                nm = n[multi, None]
-                var = ((sq[multi] - nm * (s[multi] / nm) ** 2) / (nm - 1)).clamp_min(0)
-                old = self.sigma[multi].to(torch.float64)
-                self.sigma[multi] = ((1 - a) * old + a * var.sqrt()).to(self.sigma.dtype)
+            present = (n > 0)[:, None]
+            mean = s / n.clamp_min(1)[:, None]
+            mu = ((1 - a) * self.mu.to(torch.float64) + a * mean).to(self.mu.dtype)
+            self.mu.copy_(torch.where(present, mu, self.mu))
+            multi = (n >= 2)[:, None]  # the std of one sample is NaN in the reference and skipped
+            nm = n.clamp_min(2)[:, None]
+            var = ((sq - nm * (s / nm) ** 2) / (nm - 1)).clamp_min(0)
+            sigma = ((1 - a) * self.sigma.to(torch.float64) + a * var.sqrt()).to(self.sigma.dtype)
+            self.sigma.copy_(torch.where(multi, sigma, self.sigma))
             if self.sigma_max is not None:
                 self.sigma.clamp_(max=self.sigma_max)
 

@@ -40,11 +40,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_platform.algorithms.base import require
-from fl_platform.algorithms.oneshot.distill import LogitEnsemble, combine_logits, kd_loss
+from fl_platform.algorithms.oneshot.distill import (
+    LogitEnsemble,
+    check_ensemble_weights,
+    combine_logits,
+    kd_loss,
+)
 from fl_platform.algorithms.oneshot.protocol import OneShotConf, OneShotServer, build_module, fresh_vector
 from fl_platform.core import RoundContext
 from fl_platform.seeding import Stream, torch_generator
 from fl_platform.training.flat import model_vector
+from fl_platform.training.step import to_device
 
 log = logging.getLogger(__name__)
 
@@ -211,17 +217,20 @@ def teacher_forward(ensemble: LogitEnsemble, weights: torch.Tensor | None, x: to
 
 
 def augment(x: torch.Tensor, gen: torch.Generator, low: torch.Tensor) -> torch.Tensor:
-    """Random crop (zero-pixel padding of H // 8) and horizontal flip per sample; differentiable in x."""
+    """Random crop (zero-pixel padding of H // 8) and horizontal flip per sample; differentiable in x.
+
+    The draws come from the CPU generator ``gen`` (the same on every device) and travel by
+    non-blocking copies from pinned memory: this runs every generator and distillation step."""
     b, c, h, w = x.shape
     pad = max(1, h // 8)
     xp = F.pad(x - low, (pad, pad, pad, pad)) + low
-    oy = torch.randint(0, 2 * pad + 1, (b,), generator=gen).to(x.device)
-    ox = torch.randint(0, 2 * pad + 1, (b,), generator=gen).to(x.device)
+    oy = to_device(torch.randint(0, 2 * pad + 1, (b,), generator=gen), x.device)
+    ox = to_device(torch.randint(0, 2 * pad + 1, (b,), generator=gen), x.device)
     rows = (oy[:, None] + torch.arange(h, device=x.device))[:, None, :, None]
     cols = (ox[:, None] + torch.arange(w, device=x.device))[:, None, None, :]
     out = xp[torch.arange(b, device=x.device)[:, None, None, None],
              torch.arange(c, device=x.device)[None, :, None, None], rows, cols]
-    flip = (torch.rand(b, generator=gen) < 0.5).to(x.device).view(b, 1, 1, 1)
+    flip = to_device(torch.rand(b, generator=gen) < 0.5, x.device).view(b, 1, 1, 1)
     return torch.where(flip, out.flip(-1), out)
 
 
@@ -347,7 +356,7 @@ class SynthesisServer(OneShotServer):
                  gen: torch.Generator):
         x = torch.cat(pool_x)
         y = torch.cat(pool_y) if pool_y is not None else None
-        order = torch.randperm(x.shape[0], generator=gen).to(x.device)
+        order = to_device(torch.randperm(x.shape[0], generator=gen), x.device)
         bs = self.cfg.kd_batch_size
         for i in range(0, x.shape[0], bs):
             idx = order[i : i + bs]
@@ -359,10 +368,10 @@ class SynthesisServer(OneShotServer):
     def distill(self, ensemble: LogitEnsemble, weights: torch.Tensor | None, student: nn.Module,
                 opt: torch.optim.Optimizer, pool_x: list[torch.Tensor], low: torch.Tensor,
                 gen: torch.Generator) -> float:
-        """One pass over the pool; returns the mean KD loss."""
+        """One pass over the pool; returns the mean KD loss (summed on the device in float64, read once)."""
         cfg = self.cfg
         student.train()
-        total, batches = 0.0, 0
+        total, batches = torch.zeros((), dtype=torch.float64, device=self.device), 0
         for xb, _ in self._batches(pool_x, None, low, gen):
             xb = self.perturb(xb, ensemble, weights, gen)
             with torch.no_grad():
@@ -373,9 +382,9 @@ class SynthesisServer(OneShotServer):
             if cfg.kd_clip is not None:
                 nn.utils.clip_grad_norm_(student.parameters(), cfg.kd_clip)
             opt.step()
-            total += float(loss.detach())
+            total += loss.detach()
             batches += 1
-        return total / max(batches, 1)
+        return float(total) / max(batches, 1)
 
     def extra_metrics(self, teacher_logits: list[torch.Tensor], y: torch.Tensor) -> dict[str, float]:
         if self.ensemble_weights is None:
@@ -434,11 +443,12 @@ class DataFreeServer(SynthesisServer):
         generator.train()
         student.eval()
         student.requires_grad_(False)
-        z = torch.randn(cfg.synthesis_batch_size, cfg.nz, generator=gen).to(dev).requires_grad_()
-        y = torch.randint(0, self.setup.num_classes, (cfg.synthesis_batch_size,), generator=gen).to(dev)
+        z = to_device(torch.randn(cfg.synthesis_batch_size, cfg.nz, generator=gen), dev).requires_grad_()
+        y = to_device(torch.randint(0, self.setup.num_classes, (cfg.synthesis_batch_size,), generator=gen), dev)
         opt = torch.optim.Adam([{"params": generator.parameters()}, {"params": [z]}], lr=cfg.lr_g,
                                betas=(0.5, 0.999))
-        best_cost, best_x = float("inf"), None
+        best_cost: torch.Tensor | None = None  # kept on the device (as Fed-ADI does): no per-step host read
+        best_x: torch.Tensor | None = None
         for _ in range(cfg.g_steps):
             x = low + (high - low) * generator(z)
             xa = augment(x, gen, low) if cfg.synthesis_augment else x
@@ -452,17 +462,20 @@ class DataFreeServer(SynthesisServer):
             if cfg.adv_mask:
                 kl = kl * (s.argmax(1) != t.argmax(1)).float()
             loss = cfg.lambda_oh * ce.mean() + cfg.lambda_bn * loss_bn - cfg.lambda_adv * kl.mean()
-            cost = float(loss.detach())
-            if best_x is None or cost < best_cost:
+            cost = loss.detach()
+            if best_cost is None or best_x is None:  # the first step's batch, whatever its loss (NaN included)
                 best_cost, best_x = cost, x.detach().clone()
+            else:
+                better = cost < best_cost
+                best_cost, best_x = torch.where(better, cost, best_cost), torch.where(better, x.detach(), best_x)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.generator_clip is not None:
                 nn.utils.clip_grad_norm_(generator.parameters(), cfg.generator_clip)
             opt.step()
         student.requires_grad_(True)
-        assert best_x is not None
-        return best_x, y, best_cost
+        assert best_x is not None and best_cost is not None
+        return best_x, y, float(best_cost)
 
     def reweight(self, epoch: int, ensemble: LogitEnsemble, weights: torch.Tensor, pool_x: list[torch.Tensor],
                  pool_y: list[torch.Tensor], low: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -478,7 +491,7 @@ class DataFreeServer(SynthesisServer):
                 loss = F.cross_entropy(combine_logits(member, wv), yb)
                 (grad,) = torch.autograd.grad(loss, wv)
                 w = (w - step * grad.sign()).clamp_(0.0, 1.0)
-        return w
+        return check_ensemble_weights(w)  # once per reweighting, not per step (combine_logits divides by the sum)
 
     def perturb(self, xb: torch.Tensor, ensemble: LogitEnsemble, weights: torch.Tensor | None,
                 gen: torch.Generator) -> torch.Tensor:
@@ -487,6 +500,6 @@ class DataFreeServer(SynthesisServer):
             return xb
         xb = xb.detach().requires_grad_()
         out = ensemble.combine(ensemble.member_logits(xb), weights)
-        r = (torch.rand(out.shape, generator=gen) * 2.0 - 1.0).to(out.device)
+        r = to_device(torch.rand(out.shape, generator=gen) * 2.0 - 1.0, out.device)
         (grad,) = torch.autograd.grad((r * F.softmax(out / cfg.ods_temperature, dim=1)).sum(), xb)
         return (xb + cfg.ods_eta * grad.sign()).detach()

@@ -30,15 +30,26 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
     return F.kl_div(log_q, p, reduction=reduction) * (t * t)
 
 
+def check_ensemble_weights(weights: torch.Tensor) -> torch.Tensor:
+    """``weights``, after checking that they sum to more than zero (``combine_logits`` divides by the sum).
+
+    A host read: call it where weights are set (per reweighting, per round), never per step.
+    """
+    if not bool(weights.detach().sum() > 0):
+        raise ValueError("ensemble weights sum to zero: every member was switched off")
+    return weights
+
+
 def combine_logits(logits: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """sum_k w_k logits_k / sum_k w_k over the first axis of ``[K, B, C]`` (plain mean when None)."""
+    """sum_k w_k logits_k / sum_k w_k over the first axis of ``[K, B, C]`` (plain mean when None).
+
+    Called every distillation and generator step, so it reads nothing back: the weights were checked
+    where they were set (:func:`check_ensemble_weights`).
+    """
     if weights is None:
         return logits.mean(dim=0)
     w = weights.to(logits.device, logits.dtype).reshape(-1, *([1] * (logits.dim() - 1)))
-    total = w.sum()
-    if not bool(total > 0):
-        raise ValueError("ensemble weights sum to zero: every member was switched off")
-    return (w * logits).sum(dim=0) / total
+    return (w * logits).sum(dim=0) / w.sum()
 
 
 class LogitEnsemble(nn.Module):
@@ -53,7 +64,7 @@ class LogitEnsemble(nn.Module):
         if not models:
             raise ValueError("an ensemble needs at least one model")
         self.models = nn.ModuleList(models)
-        self.weights = weights
+        self.weights = None if weights is None else check_ensemble_weights(weights)
 
     def member_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Every member's logits, stacked: [K, B, C]."""

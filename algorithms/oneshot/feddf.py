@@ -43,6 +43,7 @@ from fl_platform.algorithms.oneshot.protocol import (
 from fl_platform.core import RoundContext
 from fl_platform.seeding import Stream, seed_torch_global, torch_generator
 from fl_platform.training.flat import model_vector
+from fl_platform.training.step import to_device
 
 _FEDDF = 0x46444446  # "FDDF": stream key of the distillation batches
 HELDOUT = "heldout"
@@ -171,14 +172,15 @@ class FedDFServer(OneShotServer):
         best_acc = val_accuracy() if use_val else float("nan")
         best_state, best_step = snapshot(), 0
         self.history = [(0, best_acc)]
-        order = torch.randperm(x_u.shape[0], generator=gen)
+        # Each pass's order is drawn on the CPU (the same on every device) and copied once, non-blocking.
+        order = to_device(torch.randperm(x_u.shape[0], generator=gen), dev)
         pos = 0
         step = 0
         student.train()
         while step < cfg.steps:
             if pos + cfg.batch_size > order.numel():  # reshuffle each pass over U (drop the ragged tail)
-                order, pos = torch.randperm(x_u.shape[0], generator=gen), 0
-            idx = order[pos : pos + cfg.batch_size].to(dev)
+                order, pos = to_device(torch.randperm(x_u.shape[0], generator=gen), dev), 0
+            idx = order[pos : pos + cfg.batch_size]
             pos += cfg.batch_size
             loss = kd_loss(student(x_u[idx]), t_u[idx], cfg.temperature)
             opt.zero_grad(set_to_none=True)
