@@ -92,6 +92,10 @@ class Setup:
     extra: dict[str, Any] = field(default_factory=dict)
     #: The ``server_opt`` section (algorithms/server_opt.py): an adaptive step on the pseudo-gradient, or None.
     server_opt: Any = None
+    #: Noise an algorithm adds to protect a client's data must come from the OS's CSPRNG
+    #: (``privacy.clipping.gaussian_noise(secure=True)``), not from the run's seed, which every client is sent.
+    #: A Flower ClientApp sets it; the simulator's draws stay seeded (reproducible).
+    secure_noise: bool = False
 
     @property
     def vector_size(self) -> int:

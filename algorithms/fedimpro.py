@@ -44,6 +44,7 @@ from fl_platform.algorithms.base import AlgorithmSpec, Setup, require
 from fl_platform.algorithms.fedavg import FedAvgClient, FedAvgConf, FedAvgServer
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, RoundContext
 from fl_platform.models.base import StagedModel
+from fl_platform.privacy.clipping import gaussian_noise
 from fl_platform.seeding import Stream, torch_generator
 from fl_platform.training.hooks import Batch, ComposedHooks, ProximalHook, TrainHooks
 
@@ -227,12 +228,14 @@ class ClassStats:
         return mu.to(dtype), sigma.to(dtype)
 
 
-def privatise(mu: torch.Tensor, sigma: torch.Tensor, std: float, gen: torch.Generator | None
+def privatise(mu: torch.Tensor, sigma: torch.Tensor, std: float, secure: bool, seed: int, *keys: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Add N(0, std^2) to every entry of mu and sigma; clamp sigma at 0 (the reference does not)."""
+    """Add N(0, std^2) to every entry of mu and sigma; clamp sigma at 0 (the reference does not). The noise
+    derives from (seed, *keys) in the simulator; ``secure`` (a Flower ClientApp, ``Setup.secure_noise``): from
+    the node's OS CSPRNG, since every client is sent the seed and could otherwise subtract it."""
     if not std:
         return mu, sigma
-    noise = torch.randn((2, *mu.shape), generator=gen, device=mu.device, dtype=mu.dtype) * std
+    noise = gaussian_noise(secure, (2, *mu.shape), mu.dtype, seed, *keys).to(mu.device).mul_(std)
     return mu + noise[0], (sigma + noise[1]).clamp_min(0)
 
 
@@ -348,12 +351,9 @@ class FedImproClient(FedAvgClient):
     def statistics(self, ctx: RoundContext, client_id: int, stats: ClassStats, data) -> dict[str, torch.Tensor]:
         """The client's summable statistics contribution (optionally privatised)."""
         cfg = self.cfg
-        gen = None
-        if cfg.privacy_noise_std:
-            gen = torch_generator(ctx.seed, Stream.ALGORITHM, ctx.round, client_id, _PRIVACY_KEY,
-                                  device=stats.sum.device)
+        noise = (self.setup.secure_noise, ctx.seed, Stream.ALGORITHM, ctx.round, client_id, _PRIVACY_KEY)
         if cfg.aggregation == "uniform":
-            mu, sigma = privatise(*stats.mean_std(unbiased=True), cfg.privacy_noise_std, gen)
+            mu, sigma = privatise(*stats.mean_std(unbiased=True), cfg.privacy_noise_std, *noise)
             return {"fedimpro_mu": mu, "fedimpro_sigma": sigma}
         if cfg.stats_update == "exact":
             count = stats.count
@@ -362,7 +362,7 @@ class FedImproClient(FedAvgClient):
             labels = data.y.index_select(0, data.indices)
             count = torch.bincount(labels, minlength=stats.count.numel()).to(torch.float64)
             mu, sigma = stats.mean_std(dtype=torch.float64)
-        mu, sigma = privatise(mu, sigma, cfg.privacy_noise_std, gen)
+        mu, sigma = privatise(mu, sigma, cfg.privacy_noise_std, *noise)
         return label_size_contribution(mu, sigma, count)
 
 

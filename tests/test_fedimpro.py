@@ -131,11 +131,30 @@ def test_last_batch_mode_is_the_reference_running_average_with_weight_d_over_500
 
 
 def test_privacy_noise_keeps_sigma_non_negative():
-    g = torch.Generator().manual_seed(0)
     mu, sigma = torch.zeros(C, D), torch.full((C, D), 0.01)
-    noisy_mu, noisy_sigma = privatise(mu, sigma, 1.0, g)
+    noisy_mu, noisy_sigma = privatise(mu, sigma, 1.0, False, 0, 1)
     assert float(noisy_sigma.min()) >= 0.0 and float(noisy_mu.std()) > 0.5
-    assert privatise(mu, sigma, 0.0, None) == (mu, sigma)
+    assert privatise(mu, sigma, 0.0, False, 0, 1) == (mu, sigma)
+
+
+def test_a_deployed_clients_statistics_noise_is_not_derivable_from_the_seed():
+    """Every client is sent the run's seed: seeded noise on the uploaded statistics could be regenerated and
+    subtracted by anyone (an audit recovered the per-class means to 1e-7). In a ClientApp (Setup.secure_noise)
+    the noise comes from the node's OS CSPRNG: the same (seed, round, client) twice gives other noise, with
+    the configured std; the simulator's stays seeded."""
+    mu, sigma = torch.zeros(200, 100, dtype=torch.float64), torch.full((200, 100), 5.0, dtype=torch.float64)
+    seeded = [privatise(mu, sigma, 0.5, False, 3, 4, 5)[0] for _ in range(2)]
+    assert torch.equal(seeded[0], seeded[1])
+    secure = [privatise(mu, sigma, 0.5, True, 3, 4, 5)[0] for _ in range(2)]
+    assert not torch.equal(secure[0], secure[1]) and not torch.equal(secure[0], seeded[0])
+    assert float(secure[0].std()) == pytest.approx(0.5, rel=0.02)
+    from fl_platform.flower import config as fc
+    from fl_platform.flower.client_app import build_runtime
+
+    rc = fc.flatten_config(fc.compose(["algorithm=fedimpro", "model=cnn", "num_clients=3", "clients_per_round=3",
+                                       "algorithm.privacy_noise_std=0.001", "logger.progress=false"]),
+                           fc.DeployConf(round_timeout=5.0, poll_interval=0.01, connect_timeout=5.0))
+    assert build_runtime(rc, {"partition-id": 0, "num-partitions": 3}).client.setup.secure_noise
 
 
 def test_weight_schedules_follow_the_reference():

@@ -257,8 +257,10 @@ def build_runtime(run_config: Mapping[str, Any], node_config: Mapping[str, Any])
                       own.augment)
     fm = FlatModel(setup.model(), device)
     trainer = LocalTrainer(fm, setup.train)
-    # (the kept dataset holds one client; the algorithm is told the run's number of clients)
-    alg_setup = replace(setup.algorithm_setup(fm.num_params, fm.num_buffers), num_clients=prepared.num_clients)
+    # (the kept dataset holds one client; the algorithm is told the run's number of clients; an algorithm's
+    # privacy noise comes from this node's OS CSPRNG, as DP's does)
+    alg_setup = replace(setup.algorithm_setup(fm.num_params, fm.num_buffers), num_clients=prepared.num_clients,
+                        secure_noise=True)
     client = get_algorithm(setup.algorithm).client(setup.algorithm_conf, alg_setup)
     uplink = make_uplink(setup.compressor, fm, client)
     specs = {**client.state_spec(), **(uplink.state_spec() if uplink is not None else {})}
