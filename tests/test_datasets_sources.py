@@ -482,6 +482,75 @@ def test_leaf_reader_and_femnist_loader(tmp_path):
     assert extra.test_groups.max() == 3 and extra.train_groups.max() == 2
 
 
+def _leaf_obj(users: dict[str, tuple[list, list]]) -> dict:
+    return {"users": list(users), "num_samples": [len(y) for _, y in users.values()],
+            "user_data": {u: {"x": x, "y": y} for u, (x, y) in users.items()}}
+
+
+def _leaf_root(root: Path, edit=lambda obj: None, raw: bytes | None = None) -> Path:
+    """A FEMNIST root of writers a (3 images) and b (2); ``edit`` changes the train file's JSON object."""
+    rng = np.random.default_rng(0)
+    folder = root / "femnist-leaf"
+    train = _leaf_obj({"a": femnist_user(rng, 3), "b": femnist_user(rng, 2)})
+    edit(train)
+    (folder / "train").mkdir(parents=True)
+    (folder / "train" / "t.json").write_bytes(raw if raw is not None else json.dumps(train).encode())
+    write_leaf_file(folder / "test" / "t.json", {u: femnist_user(rng, 1) for u in ("a", "b")}, compress=False)
+    return folder / "train" / "t.json"
+
+
+def _set(key, value):
+    return lambda obj: obj.update({key: value})
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda o: o["users"].append("ghost"), r"t\.json: 1 user\(s\) of 'users' have no entry in 'user_data' \(e\.g\. 'ghost'\)"),
+    (lambda o: o["user_data"].update(extra=o["user_data"]["a"]), r"t\.json: 'user_data' holds 1 user\(s\) not in 'users' \(e\.g\. 'extra'\)"),
+    (_set("num_samples", [30, 2]), r"t\.json: user 'a' has num_samples 30 but 3 samples"),
+    (_set("num_samples", [3]), r"t\.json: 'num_samples' has 1 entries for 2 users"),
+    (lambda o: o["users"].append("a"), r"t\.json: users \['a'\] appear more than once in its 'users'"),
+    (lambda o: o["user_data"]["a"].update(y=[3.7, 1.0, 2.0]), r"t\.json: user 'a' 'y': labels must be integer class ids; 1 of 3"),
+    (lambda o: o["user_data"]["a"].update(y=["a", "b", "c"]), r"t\.json: user 'a' 'y': labels must be integer class ids, got dtype <U1"),
+    (lambda o: o["user_data"]["a"].update(x=[[1.0] * 783] * 3), r"t\.json: user 'a': cannot read 'x': cannot reshape"),
+])
+def test_leaf_files_whose_parts_disagree_are_refused_naming_file_and_user(tmp_path, edit, message):
+    _leaf_root(tmp_path, edit)
+    with pytest.raises(ValueError, match=message):
+        load_femnist(root=tmp_path)
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_truncated_leaf_files_are_refused_naming_the_file(tmp_path, compress):
+    path = _leaf_root(tmp_path)
+    text = path.read_bytes()[:-50]
+    path.unlink()
+    if compress:
+        (path.parent / "t.json.gz").write_bytes(gzip.compress(text)[:-20])
+    else:
+        path.write_bytes(text)
+    with pytest.raises(ValueError, match=r"t\.json(\.gz)?: not readable LEAF JSON \(truncated or corrupt\?\)"):
+        load_femnist(root=tmp_path)
+
+
+def test_leaf_numeric_user_ids_match_their_string_keys(tmp_path):
+    def numeric(o):
+        o["users"] = [1, 2]
+        o["user_data"] = {"1": o["user_data"]["a"], "2": o["user_data"]["b"]}
+    path = _leaf_root(tmp_path, numeric)
+    write_leaf_file(path.parent.parent / "test" / "t.json", {"1": femnist_user(np.random.default_rng(1), 1),
+                                                             "2": femnist_user(np.random.default_rng(2), 1)}, False)
+    assert load_femnist(root=tmp_path).group_names == ["1", "2"]
+
+
+def test_a_writer_without_training_samples_is_left_out_with_its_test_rows_and_logged(tmp_path, caplog):
+    _leaf_root(tmp_path, lambda o: (o["user_data"]["b"].update(x=[], y=[]), o.update(num_samples=[3, 0])))
+    with caplog.at_level("WARNING", logger="fl_platform.datasets.sources.leaf"):
+        s = load_femnist(root=tmp_path)
+    assert s.group_names == ["a"] and (s.num_train, s.num_test) == (3, 1)
+    assert "1 writer(s) in" in caplog.text and "have no training samples (e.g. 'b'): left out, with their 1 test" \
+        in caplog.text
+
+
 def test_femnist_requires_same_users_in_train_and_test(tmp_path):
     make_femnist_root(tmp_path)
     (tmp_path / "femnist-leaf" / "test" / "b_test.json").unlink()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
 import zlib
 from collections.abc import Callable, Iterable
@@ -20,13 +21,15 @@ from typing import IO, Any
 import numpy as np
 
 from fl_platform.datasets.paths import DatasetNotFoundError, data_root
-from fl_platform.datasets.source import SourceData, standardize, standardized_value
+from fl_platform.datasets.source import SourceData, class_ids, standardize, standardized_value
 
 # FEMNIST pixel statistics after inversion (ink = 1), computed once on the 14,708 train images of the
 # LEAF sample in shared/data; fixed so features never depend on which writers a run loads.
 FEMNIST_MEAN = (0.03884,)
 FEMNIST_STD = (0.16556,)
 FEMNIST_NUM_CLASSES = 62
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,6 +60,19 @@ def _open(path: Path) -> IO[str]:
     return (
         gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else open(path, encoding="utf-8")
     )
+
+
+def _load(path: Path) -> dict[str, Any]:
+    """One LEAF file's JSON object; a truncated or corrupt file (JSON or gzip) is refused naming it."""
+    try:
+        with _open(path) as fh:
+            obj = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError, EOFError, gzip.BadGzipFile, zlib.error) as err:
+        raise ValueError(f"{path}: not readable LEAF JSON (truncated or corrupt?): {type(err).__name__}: {err}") from err
+    for key in ("users", "user_data"):
+        if not isinstance(obj, dict) or key not in obj:
+            raise ValueError(f"{path}: LEAF file without {key!r}")
+    return obj
 
 
 def peek_users(path: str | os.PathLike[str], max_bytes: int = 1 << 20) -> list[str] | None:
@@ -94,8 +110,7 @@ def split_users(folder: str | os.PathLike[str]) -> list[str]:
     for path in leaf_files(folder):
         head = peek_users(path)
         if head is None:
-            with _open(path) as fh:
-                head = [str(u) for u in json.load(fh)["users"]]
+            head = [str(u) for u in _load(path)["users"]]
         users.extend(head)
     return users
 
@@ -124,29 +139,54 @@ def read_leaf_split(
                 seen.update(head)
                 split.all_users.extend(head)
                 continue
-        with _open(path) as fh:
-            obj = json.load(fh)
-        for key in ("users", "user_data"):
-            if key not in obj:
-                raise ValueError(f"{path}: LEAF file without {key!r}")
-        for user in obj["users"]:
-            if user in seen:
-                raise ValueError(f"{path}: user {user!r} appears in more than one file of {folder}")
+        obj = _load(path)
+        users = [str(u) for u in obj["users"]]  # JSON object keys are strings: user 7 is user_data["7"]
+        _check_users(path, folder, users, obj, seen)
+        for user in users:
             seen.add(user)
             split.all_users.append(user)
             if wanted is not None and user not in wanted:
                 continue
             data = obj["user_data"][user]
-            split.x[user] = convert_x(data["x"])
-            split.y[user] = np.asarray(data["y"], dtype=np.float64).astype(np.int64)  # FedProx stores floats
+            if not isinstance(data, dict) or "x" not in data or "y" not in data:
+                raise ValueError(f"{path}: user_data[{user!r}] must be an object with 'x' and 'y'")
+            try:
+                split.x[user] = convert_x(data["x"])
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"{path}: user {user!r}: cannot read 'x': {err}") from err
+            split.y[user] = class_ids(data["y"], f"{path}: user {user!r} 'y'")  # FedProx stores floats: 3.0 is 3
             if len(split.x[user]) != len(split.y[user]):
                 raise ValueError(
                     f"{path}: user {user!r} has {len(split.x[user])} inputs but {len(split.y[user])} labels"
                 )
-        for user, hier in zip(obj["users"], obj.get("hierarchies") or []):
+        for user, hier in zip(users, obj.get("hierarchies") or []):
             if wanted is None or user in wanted:
                 split.hierarchies[user] = hier
     return split
+
+
+def _check_users(path: Path, folder: str | os.PathLike[str], users: list[str], obj: dict[str, Any],
+                 seen: set[str]) -> None:
+    """``users``, ``user_data`` and ``num_samples`` of one file agree, and no user is in an earlier file."""
+    if len(set(users)) != len(users):
+        twice = sorted({u for u in users if users.count(u) > 1})
+        raise ValueError(f"{path}: users {twice[:5]} appear more than once in its 'users'")
+    if dup := seen.intersection(users):
+        raise ValueError(f"{path}: users {sorted(dup)[:5]} appear in more than one file of {folder}")
+    data = obj["user_data"]
+    if absent := [u for u in users if u not in data]:
+        raise ValueError(f"{path}: {len(absent)} user(s) of 'users' have no entry in 'user_data' (e.g. {absent[0]!r})")
+    if unlisted := sorted(set(map(str, data)) - set(users)):
+        raise ValueError(f"{path}: 'user_data' holds {len(unlisted)} user(s) not in 'users' (e.g. {unlisted[0]!r}); "
+                         "list them in 'users' (with 'num_samples') or remove them")
+    counts = obj.get("num_samples")
+    if counts is not None:
+        if len(counts) != len(users):
+            raise ValueError(f"{path}: 'num_samples' has {len(counts)} entries for {len(users)} users")
+        for user, n in zip(users, counts):
+            y = data[user].get("y") if isinstance(data[user], dict) else None
+            if y is not None and len(y) != n:
+                raise ValueError(f"{path}: user {user!r} has num_samples {n} but {len(y)} samples")
 
 
 def _check_same_users(train: list[str], test: list[str], folder: Path) -> None:
@@ -223,6 +263,11 @@ def load_femnist(
     test = read_leaf_split(folder / "test", selected, convert)
     _check_same_users(train.all_users, test.all_users, folder)
     users = train.users
+    if idle := [u for u in users if not len(train.y[u])]:
+        users = [u for u in users if len(train.y[u])]
+        log.warning("femnist: %d writer(s) in %s have no training samples (e.g. %r): left out, with their %d test "
+                    "row(s), so that every writer is a client", len(idle), folder / "train", idle[0],
+                    sum(len(test.y[u]) for u in idle))
     if not users:
         raise ValueError(f"femnist: no writers found in {folder / 'train'}")
     train_x, train_y, train_groups = _stack(train, users, 0)
