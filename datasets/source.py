@@ -67,6 +67,20 @@ def class_ids(values: object, where: str) -> np.ndarray:
     return y.astype(np.int64)
 
 
+def uint8_pixels(data: np.ndarray, where: str) -> np.ndarray:
+    """``data`` as uint8 pixels; another dtype must hold whole numbers 0..255 (300, -1 or 0.7 are refused,
+    never wrapped or cut)."""
+    if data.dtype == np.uint8:
+        return data
+    if data.dtype.kind not in "iuf":
+        raise ValueError(f"{where} holds {data.dtype}, expected uint8 pixels 0..255")
+    bad = ~((data >= 0) & (data <= 255) & (data == np.round(data)))  # NaN compares False: bad
+    if bad.any():
+        raise ValueError(f"{where} ({data.dtype}) has {int(bad.sum())} value(s) that are not integer pixels 0..255, "
+                         f"e.g. {data[bad][0]}; expected uint8 pixels")
+    return data.astype(np.uint8)
+
+
 def check_test_classes(where: str, test_y: np.ndarray, num_classes: int, fix: str,
                        class_names: Sequence[str] | None = None) -> None:
     """Refuse test labels >= ``num_classes``, the training labels' range: no client can learn them."""

@@ -229,6 +229,32 @@ def test_idx_loaders_on_small_roots(tmp_path, loader, folder, compress):
     assert np.array_equal(raw.test_y, arrays["t10k-labels-idx1-ubyte"])
 
 
+@pytest.mark.parametrize("name, array, code, message", [
+    ("train-labels-idx1-ubyte", np.array([0, 1.7, 2, 3.9, 4, 5.5], np.float32), 0x0D,
+     r"train-labels-idx1-ubyte: labels must be integer class ids; 3 of 6 are not"),
+    ("train-labels-idx1-ubyte", np.zeros((6, 2), np.uint8), 0x08,
+     r"train-labels-idx1-ubyte: labels must be a 1-d array of class ids, got shape \(6, 2\)"),
+    ("train-images-idx3-ubyte", np.full((6, 28, 28), 1000, np.int16), 0x0B,
+     r"train-images-idx3-ubyte \(int16\) has 4704 value\(s\) that are not integer pixels 0..255, e.g. 1000"),
+])
+def test_idx_labels_and_pixels_that_would_be_cut_are_refused_naming_the_file(tmp_path, name, array, code, message):
+    write_mnist_files(tmp_path / "mnist", 6, 4, False)
+    (tmp_path / "mnist" / name).write_bytes(idx_bytes(array, code))
+    with pytest.raises(ValueError, match=message):
+        load_mnist(root=tmp_path)
+
+
+def test_idx_whole_pixels_of_a_wider_dtype_load_and_a_truncated_gzip_is_named(tmp_path):
+    arrays = write_mnist_files(tmp_path / "mnist", 6, 4, True)
+    wide = arrays["train-images-idx3-ubyte"].astype(np.int16)
+    (tmp_path / "mnist" / "train-images-idx3-ubyte.gz").write_bytes(gzip.compress(idx_bytes(wide, 0x0B)))
+    assert np.allclose(load_mnist(root=tmp_path, normalize=False).train_x[:, 0] * 255, wide, atol=1e-3)
+    whole = (tmp_path / "mnist" / "t10k-images-idx3-ubyte.gz").read_bytes()
+    (tmp_path / "mnist" / "t10k-images-idx3-ubyte.gz").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte\.gz: not a readable gzip file \(truncated or corrupt"):
+        load_mnist(root=tmp_path)
+
+
 @pytest.mark.slow
 @pytest.mark.shared_data
 def test_real_fashion_mnist():

@@ -23,7 +23,7 @@ import numpy as np
 
 from fl_platform.datasets.download import fetch
 from fl_platform.datasets.paths import DatasetNotFoundError, data_root
-from fl_platform.datasets.source import SourceData, class_ids, standardize, standardized_value
+from fl_platform.datasets.source import SourceData, class_ids, standardize, standardized_value, uint8_pixels
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
@@ -89,15 +89,7 @@ def _images(batch: dict[str, Any], path: Path) -> np.ndarray:
     data = np.asarray(_entry(batch, "data", path))
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
         raise ValueError(f"{path}: 'data' has shape {data.shape}, expected N x 3072")
-    if data.dtype != np.uint8:
-        if data.dtype.kind not in "iuf":
-            raise ValueError(f"{path}: 'data' holds {data.dtype}, expected uint8 pixels 0..255")
-        bad = ~((data >= 0) & (data <= 255) & (data == np.round(data)))  # NaN compares False: bad
-        if bad.any():
-            raise ValueError(f"{path}: 'data' ({data.dtype}) has {int(bad.sum())} value(s) that are not integer "
-                             f"pixels 0..255, e.g. {data[bad][0]}; expected uint8 pixels")
-        data = data.astype(np.uint8)
-    return data.reshape(-1, 3, 32, 32)
+    return uint8_pixels(data, f"{path}: 'data'").reshape(-1, 3, 32, 32)
 
 
 def _labels(batch: dict[str, Any], key: str, path: Path) -> np.ndarray:

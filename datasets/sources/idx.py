@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import os
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from fl_platform.datasets.download import fetch
 from fl_platform.datasets.paths import DatasetNotFoundError, data_root
-from fl_platform.datasets.source import SourceData, standardize, standardized_value
+from fl_platform.datasets.source import SourceData, class_ids, standardize, standardized_value, uint8_pixels
 
 IDX_DTYPES: dict[int, np.dtype] = {
     0x08: np.dtype(np.uint8),
@@ -62,7 +63,10 @@ def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
     path = Path(path)
     raw = path.read_bytes()
     if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
+        try:
+            raw = gzip.decompress(raw)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+            raise ValueError(f"{path}: not a readable gzip file (truncated or corrupt?): {err}") from err
     return parse_idx(raw, str(path))
 
 
@@ -159,25 +163,25 @@ def _load_idx_dataset(
             f"Each folder must hold all four IDX files ({wanted}). "
             f"Pass download=True to fetch them into {base / spec.download_to}.",
         )
-    arrays = {
-        key: read_idx(folder / fname if (folder / fname).is_file() else folder / f"{fname}.gz")
-        for key, fname in FILES.items()
-    }
-    images = {}
+    paths = {key: folder / fname if (folder / fname).is_file() else folder / f"{fname}.gz"
+             for key, fname in FILES.items()}
+    arrays = {key: read_idx(path) for key, path in paths.items()}
+    images, labels = {}, {}
     for split in ("train", "test"):
         imgs = arrays[f"{split}_images"]
-        if imgs.ndim != 3 or len(imgs) != len(arrays[f"{split}_labels"]):
+        labels[split] = class_ids(arrays[f"{split}_labels"], str(paths[f"{split}_labels"]))
+        if imgs.ndim != 3 or len(imgs) != len(labels[split]):
             raise ValueError(
                 f"{name}: {split} images {imgs.shape} do not match labels {arrays[f'{split}_labels'].shape}"
             )
-        x = imgs.astype(np.float32)[:, None, :, :]
+        x = uint8_pixels(imgs, str(paths[f"{split}_images"])).astype(np.float32)[:, None, :, :]
         x /= 255.0
         images[split] = standardize(x, spec.mean, spec.std, normalize)
     return SourceData(
         train_x=images["train"],
-        train_y=arrays["train_labels"].astype(np.int64),
+        train_y=labels["train"],
         test_x=images["test"],
-        test_y=arrays["test_labels"].astype(np.int64),
+        test_y=labels["test"],
         num_classes=10,
         input_shape=images["train"].shape[1:],
         name=name,
