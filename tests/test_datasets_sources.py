@@ -632,15 +632,22 @@ as well strike at the heaven with your staves as lift them against the Roman sta
 """
 
 
-def test_shakespeare_on_a_small_text(tmp_path):
+def test_shakespeare_on_a_small_text(tmp_path, caplog):
     (tmp_path / "tiny-shakespeare").mkdir()
     (tmp_path / "tiny-shakespeare" / "input.txt").write_text(SMALL_PLAY)
     speakers = parse_speakers(SMALL_PLAY)
     assert set(speakers) == {"First Citizen", "All", "MENENIUS"}
     assert speakers["All"] == "Speak, speak."
     assert speakers["First Citizen"].startswith("Before we proceed any further, hear me speak. We are")
-    s = load_shakespeare(root=tmp_path, seq_len=10, stride=3)
+    with caplog.at_level("WARNING", logger="fl_platform.datasets.sources.shakespeare"):
+        s = load_shakespeare(root=tmp_path, seq_len=10, stride=3)
     assert s.group_names == ["First Citizen", "MENENIUS"]  # "All" is too short for a test window
+    assert "1 speaker(s) of" in caplog.text and "0 with fewer than min_chars=0 characters, 1 with too little text " \
+        "for a train and a test window of seq_len=10 (e.g. 'All')" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fl_platform.datasets.sources.shakespeare"):
+        assert load_shakespeare(root=tmp_path, seq_len=10, min_chars=200).group_names == ["MENENIUS"]
+    assert "2 speaker(s) of" in caplog.text and "2 with fewer than min_chars=200 characters, 0 with" in caplog.text
     assert s.vocab == list(LEAF_LETTERS) and s.num_classes == 80 and s.input_shape == (10,)
     assert s.train_x.dtype == np.int64 and s.train_x.shape[1] == 10
     decode = lambda ids: "".join(s.vocab[i] for i in ids)  # noqa: E731

@@ -9,6 +9,7 @@ of ``seq_len`` characters labelled with the next character.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections import defaultdict
@@ -20,6 +21,8 @@ import numpy as np
 from fl_platform.datasets.download import fetch
 from fl_platform.datasets.paths import DatasetNotFoundError, data_root
 from fl_platform.datasets.source import SourceData
+
+log = logging.getLogger(__name__)
 
 # LEAF's 80-character vocabulary (models/utils/language_utils.py), so LEAF-sized models fit.
 LEAF_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
@@ -122,21 +125,28 @@ def load_shakespeare(
 
     names: list[str] = []
     parts: dict[str, list[np.ndarray]] = {k: [] for k in ("trx", "try", "tex", "tey")}
+    few_chars, short = [], []
     for name in sorted(speakers):
         speech = speakers[name]
         if len(speech) < min_chars:
+            few_chars.append(name)
             continue
         ids = _encode(speech, table, fallback)
         cut = int(len(ids) * train_fraction)
         trx, try_ = _windows(ids[:cut], seq_len, stride)
         tex, tey = _windows(ids[cut:], seq_len, stride)
         if len(try_) == 0 or len(tey) == 0:
+            short.append(name)
             continue
         names.append(name)
         for key, arr in zip(("trx", "try", "tex", "tey"), (trx, try_, tex, tey)):
             parts[key].append(arr)
         if max_speakers is not None and len(names) == max_speakers:
             break
+    if few_chars or short:
+        log.warning("shakespeare: %d speaker(s) of %s left out: %d with fewer than min_chars=%d characters, %d with "
+                    "too little text for a train and a test window of seq_len=%d (e.g. %r)", len(few_chars) + len(short),
+                    path, len(few_chars), min_chars, len(short), seq_len, (few_chars + short)[0])
     if not names:
         raise ValueError(f"shakespeare: no speaker in {path} has enough text for seq_len={seq_len}")
     counts_train = [len(a) for a in parts["try"]]
