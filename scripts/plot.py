@@ -54,10 +54,18 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def load_run(path: Path) -> dict[str, Any]:
+    """One run's config, summary and metric rows; ValueError naming the file whose content is not a run's
+    (so the caller skips the run before anything is written)."""
     config = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").exists() else {}
     rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"path": path, "config": _flatten(config or {}), "summary": json.loads((path / "summary.json").read_text()),
-            "rows": rows}
+    summary = json.loads((path / "summary.json").read_text())
+    if not isinstance(config or {}, dict):
+        raise ValueError(f"{path / 'config.yaml'} holds a {type(config).__name__}, not a mapping")
+    if not isinstance(summary, dict) or not isinstance(summary.get("rounds"), int):
+        raise ValueError(f"{path / 'summary.json'} has no integer 'rounds'")
+    if not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{path / 'metrics.jsonl'} has a line that is not a JSON object")
+    return {"path": path, "config": _flatten(config or {}), "summary": summary, "rows": rows}
 
 
 def _short(key: str) -> str:

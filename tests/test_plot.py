@@ -64,3 +64,14 @@ def test_an_unreadable_run_is_named_and_left_out_and_none_readable_is_an_error(t
     (tmp_path / "sweep" / "0" / "metrics.jsonl").unlink()
     assert plot.main([str(tmp_path / "sweep"), "--out", str(tmp_path / "plots")]) == 1
     assert "none of the 2 run directories" in capsys.readouterr().err
+
+
+def test_a_summary_without_rounds_is_named_and_skipped_before_anything_is_written(tmp_path, capsys):
+    _write_run(tmp_path / "sweep" / "0", 0, [0.5, 0.6])
+    _write_run(tmp_path / "sweep" / "1", 1, [0.4, 0.7])
+    (tmp_path / "sweep" / "1" / "summary.json").write_text('{"final_test_accuracy": 0.7}')  # no 'rounds'
+    assert plot.main([str(tmp_path / "sweep"), "--out", str(tmp_path / "plots")]) == 0
+    out, err = capsys.readouterr()
+    assert f"warning: skipped {tmp_path / 'sweep' / '1'}: unreadable (ValueError: " \
+        f"{tmp_path / 'sweep' / '1' / 'summary.json'} has no integer 'rounds')" in err
+    assert "| fedavg | 1 | 60.00 |" in out and (tmp_path / "plots" / "table.md").is_file()
