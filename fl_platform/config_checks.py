@@ -21,6 +21,7 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 
 from fl_platform.config import OPEN_OPTIONS, EngineConf, EvalConf
@@ -350,7 +351,12 @@ def check_resumable(run: RunConfig, saved_config: Path) -> None:
     composed YAML form of both: config.yaml holds it)."""
     if not saved_config.exists():
         return
-    old = _flatten(OmegaConf.to_container(OmegaConf.load(saved_config), resolve=True))
+    try:
+        old = _flatten(OmegaConf.to_container(OmegaConf.load(saved_config), resolve=True))
+    except yaml.YAMLError as err:
+        raise ConfigError(f"resume: {saved_config} is not readable YAML (torn by an interrupted write?): "
+                          f"{type(err).__name__}: {' '.join(str(err).split())}; restore it, or resume=never to start "
+                          "over") from err
     new = _flatten(run.to_container())
     diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
              if not k.startswith(RESUME_FREE_KEYS) and old.get(k) != new.get(k)]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fl_platform.config_checks import ConfigError
 from fl_platform.experiment import build, run_experiment
 from fl_platform.rounds.simulation import is_timing_key
 
@@ -96,6 +97,11 @@ def test_resume_refuses_a_changed_config(tmp_path):
     exp = build(compose_config(*common, "resume=never"), tmp_path)  # starts over
     assert exp.simulation.start_round == 0 and not (tmp_path / "checkpoint").exists()
     exp.engine.close()
+    run_experiment(compose_config(*common), tmp_path)
+    whole = (tmp_path / "config.yaml").read_text()
+    (tmp_path / "config.yaml").write_text(whole[: whole.index("\n", len(whole) // 2)] + "\n  - [torn")
+    with pytest.raises(ConfigError, match=rf"resume: {tmp_path / 'config.yaml'} is not readable YAML .*resume=never"):
+        build(compose_config(*common), tmp_path)
 
 
 def test_resume_of_a_named_directory_needs_an_earlier_run_with_the_same_config(tmp_path):
