@@ -17,13 +17,17 @@ ENV_VAR = "FL_DATA_ROOT"
 
 
 def data_root(root: str | os.PathLike[str] | None = None) -> Path:
-    """Resolve the data root (not checked for existence: loaders report what is missing)."""
+    """Resolve the data root (a missing one is not an error here: loaders report what is missing; a file is)."""
     if root is not None and str(root) != "":
-        return Path(root).expanduser()
-    env = os.environ.get(ENV_VAR)
-    if env:
-        return Path(env).expanduser()
-    return fl_platform.REPO_ROOT.parent / "shared" / "data"
+        path, origin = Path(root).expanduser(), "the root argument (dataset.root)"
+    elif os.environ.get(ENV_VAR):
+        path, origin = Path(os.environ[ENV_VAR]).expanduser(), f"${ENV_VAR}"
+    else:
+        return fl_platform.REPO_ROOT.parent / "shared" / "data"
+    if path.is_file():
+        raise NotADirectoryError(f"the data root {path} (from {origin}) is a file; it must be the folder that holds "
+                                 "the data sets")
+    return path
 
 
 class DatasetNotFoundError(FileNotFoundError):

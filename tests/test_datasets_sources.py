@@ -53,6 +53,15 @@ def test_data_root_precedence(monkeypatch, tmp_path):
 
 
 # --- digits ---------------------------------------------------------------------------------
+def test_a_data_root_that_is_a_file_is_named(monkeypatch, tmp_path):
+    (tmp_path / "root.txt").write_text("x")
+    with pytest.raises(NotADirectoryError, match=r"the data root .*root\.txt \(from the root argument"):
+        load_mnist(root=tmp_path / "root.txt")
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "root.txt"))
+    with pytest.raises(NotADirectoryError, match=rf"root\.txt \(from \${ENV_VAR}\) is a file"):
+        load_femnist()
+
+
 def test_digits_shapes_classes_and_fixed_split():
     a = load_digits(seed=0)
     b = load_digits(seed=7)
