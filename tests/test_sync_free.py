@@ -329,6 +329,26 @@ def test_qsgd_encode_and_decode_do_not_synchronise(bits):
     assert count(2) == count(6) == Counter()
 
 
+@pytest.mark.parametrize(("ratio", "index"), [(0.1, "bitmap"), (0.01, "auto"), (0.01, "int32")])
+def test_topk_encode_and_decode_do_not_synchronise(ratio, index):
+    """Top-k in S-SGD's all-gather hook, every segment every step: the values are gathered by their sorted
+    indices (not ``flat[mask]``) and a bitmap decodes by the mask's running count (not ``nonzero``), so
+    neither reads a result size back. (``auto`` picks the bitmap for a 10-coordinate bias even at 0.01.)"""
+    from fl_platform.compression.topk import TopK
+
+    comp = TopK(ratio, index)
+    xs = [torch.randn(1000, device="cpu"), torch.randn(10, device="cpu")]
+
+    def count(steps: int) -> Counter[str]:
+        with SyncCounter() as counter:
+            for _ in range(steps):
+                for x in xs:
+                    comp.decode(comp.encode(x)[0])
+        return counter.events
+
+    assert count(2) == count(6) == Counter()
+
+
 @functools.cache
 def _oneshot_tests() -> ModuleType:
     """tests/test_oneshot_datafree.py, for its tiny BatchNorm teachers (by path: pytest imports with importlib)."""

@@ -51,14 +51,13 @@ class TopK(Compressor):
         flat = x.detach().reshape(-1)
         n = flat.numel()
         k = self.k(n)
-        idx = flat.abs().topk(k, sorted=False).indices
-        fmt = self.index_format(n)
-        if fmt == "bitmap":
+        idx, _ = flat.abs().topk(k, sorted=False).indices.sort()  # ascending: a bitmap's order too
+        if self.index_format(n) == "bitmap":
             mask = torch.zeros(n, dtype=torch.bool, device=flat.device)
             mask[idx] = True
-            tensors = {"values": flat[mask], "bitmap": pack_bits(mask)}
+            # (values gathered by index, not flat[mask]: a boolean mask's result size is read back from a GPU)
+            tensors = {"values": flat[idx], "bitmap": pack_bits(mask)}
         else:
-            idx, _ = idx.sort()
             dtype = torch.int32 if n <= _INT32_MAX else torch.int64
             tensors = {"values": flat[idx], "indices": idx.to(dtype)}
         return Payload(tensors, tuple(x.shape), x.dtype, {"k": k}), {}
@@ -78,9 +77,17 @@ class TopK(Compressor):
         return m
 
     def decode(self, payload: Payload, state: State | None = None) -> torch.Tensor:
-        values = payload.tensors["values"]
+        """Scatter the values back. A bitmap is decoded without ``nonzero`` (whose result size a GPU would
+        have to report to the host, once per tensor per S-SGD step): a kept coordinate's value is the one
+        at its rank among the kept ones, the bitmap's running count."""
+        values = payload.tensors["values"].to(payload.dtype)
+        if "bitmap" in payload.tensors:
+            mask = unpack_bits(payload.tensors["bitmap"], payload.numel)
+            rank = mask.cumsum(0).sub_(1).clamp_(min=0)
+            return torch.where(mask, values[rank], torch.zeros((), dtype=payload.dtype, device=values.device)
+                               ).view(payload.shape)
         out = torch.zeros(payload.numel, dtype=payload.dtype, device=values.device)
-        out[self.indices(payload)] = values.to(payload.dtype)
+        out[self.indices(payload)] = values
         return out.view(payload.shape)
 
     def __repr__(self) -> str:
