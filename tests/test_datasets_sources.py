@@ -441,6 +441,30 @@ def test_cifar_corrupt_or_incomplete_batches_name_the_file(tmp_path):
         load_cifar10(root=tmp_path)
 
 
+@pytest.mark.parametrize("count", [9, 11])
+def test_a_cifar10_meta_file_with_another_number_of_class_names_is_refused(tmp_path, count):
+    folder = write_cifar10_root(tmp_path, np.zeros((4, 3072), np.uint8), [0, 1, 2, 3])
+    with open(folder / "batches.meta", "wb") as fh:
+        pickle.dump({b"label_names": [f"c{i}".encode() for i in range(count)], b"num_vis": 3072}, fh, protocol=2)
+    with pytest.raises(ValueError, match=rf"batches\.meta: 'label_names' has {count} class name\(s\) for 10 classes"):
+        load_cifar10(root=tmp_path)
+
+
+@pytest.mark.parametrize("label_mode, key, count, classes", [("fine", b"fine_label_names", 20, 100),
+                                                              ("coarse", b"coarse_label_names", 100, 20)])
+def test_a_cifar100_meta_file_with_another_number_of_class_names_is_refused(tmp_path, label_mode, key, count,
+                                                                            classes):
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    for name in ("train", "test"):
+        write_cifar_batch(folder / name, np.zeros((2, 3072), np.uint8), {b"fine_labels": [0, 1], b"coarse_labels": [0, 1]})
+    with open(folder / "meta", "wb") as fh:
+        pickle.dump({key: [f"n{i}".encode() for i in range(count)]}, fh, protocol=2)
+    with pytest.raises(ValueError, match=rf"meta: '{label_mode}_label_names' has {count} class name\(s\) for "
+                                         rf"{classes} classes"):
+        load_cifar100(root=tmp_path, label_mode=label_mode)
+
+
 def test_cifar_pickles_cannot_run_code(tmp_path):
     class Exploit:
         def __reduce__(self):

@@ -96,9 +96,17 @@ def _labels(batch: dict[str, Any], key: str, path: Path) -> np.ndarray:
     return class_ids(_entry(batch, key, path), f"{path}: {key!r}")
 
 
-def _names(meta: dict[str, Any], key: str) -> list[str] | None:
+def _names(meta: dict[str, Any], key: str, num_classes: int, path: Path) -> list[str] | None:
+    """The class names of a meta file, one per class: a list of another length is refused, not cut or padded."""
     names = meta.get(key)
-    return None if names is None else [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+    if names is None:
+        return None
+    if not isinstance(names, (list, tuple, np.ndarray)):
+        raise ValueError(f"{path}: {key!r} is {type(names).__name__}, expected a list of {num_classes} class names")
+    if len(names) != num_classes:
+        raise ValueError(f"{path}: {key!r} has {len(names)} class name(s) for {num_classes} classes; expected one "
+                         "name per class (a meta file of another data set or label mode?)")
+    return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
 
 
 def _to_float(
@@ -169,7 +177,7 @@ def load_cifar10(
         input_shape=(3, 32, 32),
         name="cifar10",
         pad_value=standardized_value(0.0, CIFAR10_MEAN, CIFAR10_STD, normalize),
-        class_names=_names(meta, "label_names"),
+        class_names=_names(meta, "label_names", 10, meta_path),
     )
 
 
@@ -191,14 +199,15 @@ def load_cifar100(
     train, test = read_cifar_pickle(folder / "train"), read_cifar_pickle(folder / "test")
     meta = read_cifar_pickle(folder / "meta") if (folder / "meta").is_file() else {}
     key = f"{label_mode}_labels"
+    num_classes = 100 if label_mode == "fine" else 20
     return SourceData(
         train_x=_to_float(_images(train, folder / "train"), CIFAR100_MEAN, CIFAR100_STD, normalize),
         train_y=_labels(train, key, folder / "train"),
         test_x=_to_float(_images(test, folder / "test"), CIFAR100_MEAN, CIFAR100_STD, normalize),
         test_y=_labels(test, key, folder / "test"),
-        num_classes=100 if label_mode == "fine" else 20,
+        num_classes=num_classes,
         input_shape=(3, 32, 32),
         name="cifar100" if label_mode == "fine" else "cifar100_coarse",
         pad_value=standardized_value(0.0, CIFAR100_MEAN, CIFAR100_STD, normalize),
-        class_names=_names(meta, f"{label_mode}_label_names"),
+        class_names=_names(meta, f"{label_mode}_label_names", num_classes, folder / "meta"),
     )
