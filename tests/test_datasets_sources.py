@@ -571,11 +571,26 @@ def _set(key, value):
     (lambda o: o["user_data"]["a"].update(y=[3.7, 1.0, 2.0]), r"t\.json: user 'a' 'y': labels must be integer class ids; 1 of 3"),
     (lambda o: o["user_data"]["a"].update(y=["a", "b", "c"]), r"t\.json: user 'a' 'y': labels must be integer class ids, got dtype <U1"),
     (lambda o: o["user_data"]["a"].update(x=[[1.0] * 783] * 3), r"t\.json: user 'a': cannot read 'x': cannot reshape"),
+    (lambda o: o["user_data"]["a"].update(x=[["0.5"] * 784] * 3),
+     r"t\.json: user 'a': cannot read 'x': it must hold JSON numbers, found '0\.5' \(str\)"),
+    (lambda o: o["user_data"]["b"]["x"][1].__setitem__(5, "1"),
+     r"t\.json: user 'b': cannot read 'x': it must hold JSON numbers, found '1' \(str\)"),
+    (lambda o: o["user_data"]["a"]["x"][0].__setitem__(0, None),
+     r"t\.json: user 'a': cannot read 'x': it must hold JSON numbers, found None \(NoneType\)"),
+    (lambda o: o["user_data"]["a"].update(x=[[True] * 784] * 3),
+     r"t\.json: user 'a': cannot read 'x': it must hold JSON numbers, found True \(bool\)"),
 ])
 def test_leaf_files_whose_parts_disagree_are_refused_naming_file_and_user(tmp_path, edit, message):
     _leaf_root(tmp_path, edit)
     with pytest.raises(ValueError, match=message):
         load_femnist(root=tmp_path)
+
+
+def test_leaf_pixels_given_as_json_integers_or_floats_load(tmp_path):
+    _leaf_root(tmp_path, lambda o: o["user_data"]["a"].update(x=[[1] * 783 + [0.25]] * 2 + [[0] * 784]))
+    s = load_femnist(root=tmp_path, invert=False, normalize=False)
+    a = s.train_x[s.train_groups == s.group_names.index("a")]
+    assert a.dtype == np.float32 and a.reshape(3, -1)[:, -2:].tolist() == [[1, 0.25], [1, 0.25], [0, 0]]
 
 
 @pytest.mark.parametrize("compress", [False, True])

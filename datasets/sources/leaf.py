@@ -151,7 +151,7 @@ def read_leaf_split(
             if not isinstance(data, dict) or "x" not in data or "y" not in data:
                 raise ValueError(f"{path}: user_data[{user!r}] must be an object with 'x' and 'y'")
             try:
-                split.x[user] = convert_x(data["x"])
+                split.x[user] = convert_x(_numbers(data["x"]))
             except (ValueError, TypeError) as err:
                 raise ValueError(f"{path}: user {user!r}: cannot read 'x': {err}") from err
             split.y[user] = class_ids(data["y"], f"{path}: user {user!r} 'y'")  # FedProx stores floats: 3.0 is 3
@@ -163,6 +163,25 @@ def read_leaf_split(
             if wanted is None or user in wanted:
                 split.hierarchies[user] = hier
     return split
+
+
+def _numbers(rows: Any) -> np.ndarray:
+    """A user's ``x`` as an array of the JSON numbers it holds; strings ("0.5"), null or true are refused
+    naming the first one (numpy would turn "0.5" into 0.5 and True into 1 without a word)."""
+    x = np.asarray(rows)
+    if x.dtype.kind not in "iuf":
+        found = [f"{v!r} ({type(v).__name__})" for v in _non_numbers(rows)][:1] or [f"dtype {x.dtype}"]
+        raise ValueError(f"it must hold JSON numbers, found {found[0]}; write the values as numbers, not strings")
+    return x
+
+
+def _non_numbers(value: Any) -> Any:
+    """The entries of nested lists that are not int or float (bools included), depth first."""
+    if isinstance(value, list):
+        for item in value:
+            yield from _non_numbers(item)
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        yield value
 
 
 def _check_users(path: Path, folder: str | os.PathLike[str], users: list[str], obj: dict[str, Any],
