@@ -287,3 +287,38 @@ def test_a_test_fraction_that_leaves_no_test_rows_is_refused(tmp_path):
     path = _csv(tmp_path / "few.csv", _rows(3))
     with pytest.raises(ValueError, match=r"hf:.*few\.csv: the test set is empty \(0 rows\)"):
         load_source("hf", path=path, test_split=None, test_fraction=0.25)
+
+
+def test_unreadable_or_empty_local_files_are_refused_naming_the_file(tmp_path):
+    hf.Dataset.from_dict({"f1": [float(i) for i in range(20)], "label": [i % 2 for i in range(20)]}).to_parquet(
+        tmp_path / "ok.parquet")
+    whole = (tmp_path / "ok.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=r"hf: \S*cut\.parquet: not a readable parquet file: ArrowInvalid: "):
+        load_source("hf", path=str(tmp_path / "cut.parquet"), test_split=None, test_fraction=0.25)
+    with pytest.raises(ValueError, match=r"hf: \S*cut\.parquet: not a readable parquet file"):  # as the test file
+        load_source("hf", path=str(tmp_path / "ok.parquet"), test_split=str(tmp_path / "cut.parquet"))
+    hf.Dataset.from_dict({"f1": [1.0], "label": [0]}).select([]).to_parquet(tmp_path / "none.parquet")
+    with pytest.raises(ValueError, match=r"hf: \S*none\.parquet: no rows"):
+        load_source("hf", path=str(tmp_path / "none.parquet"), test_split=None, test_fraction=0.25)
+    header = _csv(tmp_path / "header.csv", [])
+    with pytest.raises(ValueError, match=r"hf: \S*header\.csv: no rows"):
+        load_source("hf", path=header, test_split=None, test_fraction=0.25)
+    with pytest.raises(ValueError, match=r"hf: \S*header\.csv: no rows .* the test file needs data"):
+        load_source("hf", path=_csv(tmp_path / "tr.csv", _rows(8)), test_split=header)
+    (tmp_path / "blank.csv").write_text("")
+    with pytest.raises(ValueError, match=r"hf: \S*blank\.csv: not a readable CSV file: EmptyDataError"):
+        load_source("hf", path=str(tmp_path / "blank.csv"), test_split=None, test_fraction=0.25)
+
+
+def test_csv_files_are_closed_after_reading(tmp_path):
+    import gc
+    import warnings
+
+    train, test = _csv(tmp_path / "tr.csv", _rows(20)), _csv(tmp_path / "te.csv", _rows(4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        src = load_source("hf", path=train, test_split=test)
+        gc.collect()
+    assert (src.num_train, src.num_test) == (20, 4)
+    assert [str(w.message) for w in caught if w.category is ResourceWarning] == []

@@ -161,9 +161,44 @@ def _load_file(datasets: Any, file: Path, root: str | os.PathLike[str] | None, s
                          f"{file.name} is the training split (leave dataset.split=train)")
     # One load per file: loaded together, the test file would take the train file's columns, a missing one
     # filled with nulls.
-    train, test = (datasets.load_dataset(builder, data_files={s: files[s]}, split=s, cache_dir=cache)
-                   if s in files else None for s in ("train", "test"))
+    train, test = (_read_file(datasets, builder, Path(files[s]), s, cache) if s in files else None
+                   for s in ("train", "test"))
     return train, test
+
+
+def _read_file(datasets: Any, builder: str, file: Path, split: str, cache: str) -> Any:
+    """One local data file as a ``datasets.Dataset``; a file that cannot be read, or holds no rows, is
+    refused naming it (not pyarrow's or datasets' bare error, the path only in a log line)."""
+    kind = "CSV" if builder == "csv" else builder
+    try:
+        if builder == "csv":  # read here: datasets' CSV builder leaves the file open (a ResourceWarning)
+            import pandas as pd
+
+            with open(file, "rb") as fh:
+                frame = pd.read_csv(fh)
+            ds = datasets.Dataset.from_pandas(frame, preserve_index=False)
+        elif builder == "parquet" and _parquet_rows(file) == 0:
+            ds = None  # datasets fails on it with "BatchSize must be greater than 0"
+        else:
+            ds = datasets.load_dataset(builder, data_files={split: str(file)}, split=split, cache_dir=cache)
+    except StopIteration:  # datasets' JSON builder on an empty file
+        ds = None
+    except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as err:
+        if "corresponds to no data" in str(err):  # datasets' words for a split of no rows
+            ds = None
+        else:
+            reason = err.__cause__ if isinstance(err, datasets.exceptions.DatasetGenerationError) else err
+            raise ValueError(f"hf: {file}: not a readable {kind} file: {type(reason).__name__}: {reason}") from err
+    if ds is None or len(ds) == 0:
+        raise ValueError(f"hf: {file}: no rows (a header or schema only?); the {split} file needs data")
+    return ds
+
+
+def _parquet_rows(file: Path) -> int:
+    """The row count in a parquet file's footer (pyarrow's ArrowInvalid, a ValueError, when it has none)."""
+    import pyarrow.parquet as pq
+
+    return pq.read_metadata(file).num_rows
 
 
 # ------------------------------------------------------------------ conversion
