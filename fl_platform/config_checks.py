@@ -17,6 +17,7 @@ every runtime's ``make_setup`` :func:`check_setup`; a resume :func:`check_resuma
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -300,12 +301,36 @@ def check_cluster_keys(run: RunConfig) -> None:
         raise ConfigError(str(err)) from None
 
 
-def check_flower_server(run: RunConfig) -> None:
-    """What a Flower deployment does not implement (the ServerApp refuses it before waiting for nodes)."""
-    if run.early_stop_conf.patience or run.callback_items:  # (fl_platform/rounds/callbacks.py: the simulator's)
+# engine.* keys that change results; the others place and pace the simulator's workers, which a deployment's
+# nodes do instead.
+_ENGINE_RESULT_KEYS = ("nonfinite", "deterministic", "cohort_size")
+
+
+def check_flower_server(run: RunConfig | Mapping[str, Any]) -> None:
+    """What a Flower deployment does not implement. The ServerApp refuses it before waiting for nodes (``run``:
+    the typed config), and the run config's export (``flower.config.flatten_config``: the plain resolved values,
+    maybe a run's config.yaml) before writing it: the run config carries no ``engine.*`` or ``eval.*`` key, so
+    a setting of theirs that changes results would otherwise be dropped."""
+    data = run.to_container() if isinstance(run, RunConfig) else run
+    if (data.get("early_stop") or {}).get("patience") or data.get("callbacks"):  # (rounds/callbacks.py)
         raise ValueError("early_stop.patience and callbacks are not implemented for Flower deployments: the "
                          "validation split would have to be cut on every node; use them with engine=inline|ray "
                          "or fl_platform.api.run")
+    system = (data.get("system") or {}).get("name", "none")
+    if system != "none":
+        raise ValueError(f"a system model (system.name={system}) is not implemented for Flower deployments: it "
+                         "simulates the clients' speeds, bandwidths and availability (the sim_* times, BAOW's "
+                         "bandwidths), and a deployment's devices are real; use system=none, or the simulator "
+                         "(engine=inline|ray)")
+    eval_default, engine_default = plain(EvalConf()), plain(EngineConf())
+    changed = [f"eval.{k}={v}" for k, v in (data.get("eval") or {}).items() if v != eval_default.get(k, v)]
+    engine = data.get("engine") or {}
+    changed += [f"engine.{k}={engine[k]}" for k in _ENGINE_RESULT_KEYS if k in engine and engine[k] != engine_default[k]]
+    if changed:
+        raise ValueError(f"{', '.join(changed)}: not carried to a Flower deployment (per-client evaluation runs on "
+                         "the simulator's engines; a SuperNode trains its one client with engine's defaults, and a "
+                         "client whose update is not finite fails its reply: deploy.min_replies); leave them at "
+                         "their defaults, or use the simulator")
 
 
 def check_setup(run: RunConfig, model: Any, data: Any, staged_for: str | None) -> None:

@@ -149,6 +149,33 @@ def test_export_config_cli_writes_a_run_config_flower_reads(tmp_path, capsys):
     assert fc.from_run_config(parse_config_args([str(out)]))[0].rounds == 4
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["eval.clients=all"], "eval.clients=all: not carried to a Flower deployment"),
+    (["eval.finetune_steps=3"], "eval.finetune_steps=3: not carried"),
+    (["engine.nonfinite=skip"], "engine.nonfinite=skip: not carried"),
+    (["engine=ray", "engine.deterministic=true"], "engine.deterministic=True: not carried"),
+    (["engine.cohort_size=2"], "engine.cohort_size=2: not carried"),
+    (["system=uniform"], "a system model (system.name=sampled) is not implemented for Flower deployments"),
+    (["system=trace", "system.trace=t.csv"], "a system model (system.name=trace) is not implemented"),
+])
+def test_a_setting_the_run_config_cannot_carry_is_refused_not_dropped(tmp_path, capsys, overrides, message):
+    """The run config has no engine.* or eval.* key and the ServerApp no system model: such a setting used to
+    export with rc 0 and run as the defaults (eval.clients=all gave the baseline's row; system=uniform died
+    later composing 'system/sampled'). Refused at export, from a run's config.yaml too, and by the ServerApp;
+    engine's scheduling keys, which change no result, still export."""
+    from fl_platform.config_checks import check_flower_server
+
+    assert export_main(overrides) == 1
+    assert message in capsys.readouterr().err
+    saved = tmp_path / "config.yaml"
+    saved.write_text(OmegaConf.to_yaml(fc.compose(overrides)))
+    assert export_main(["--from-config", str(saved)]) == 1
+    assert message in capsys.readouterr().err
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_flower_server(read_config(fc.compose(overrides)))
+    assert export_main(["engine=ray", "engine.num_workers=3", "engine.cpus_per_worker=2"]) == 0
+
+
 # ---------------------------------------------------------------- records and state
 
 

@@ -195,7 +195,10 @@ def flatten_config(cfg: DictConfig, deploy: DeployConf | None = None, minimal: b
     ``[tool.flwr.app.config]``, when there is one) go into the JSON object ``extra``, which the
     SuperLink accepts since it is one of the defaults.
     """
+    from fl_platform.config_checks import check_flower_server
+
     data = _container(cfg)
+    check_flower_server(data)  # (engine.* and eval.* are not written: a setting of theirs is refused)
     groups = set(config_groups())
     flat: RunConfig = {}
     for key, value in data.items():
