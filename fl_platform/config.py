@@ -63,6 +63,13 @@ class SyntheticConf(DatasetConf):
     min_size: int = 50
     max_size: int | None = None
 
+    def inactive_fields(self) -> dict[str, str]:
+        """Fields the other settings make inert (field -> why); the config check refuses them set."""
+        if self.iid:
+            return dict.fromkeys(("alpha", "beta"), "it spreads the devices' models and features apart, and "
+                                 "dataset.iid=true gives every device one shared model and feature mean")
+        return {}
+
 
 @dataclass
 class MNISTConf(DatasetConf):

@@ -50,12 +50,26 @@ def _optimiser_checks(t: Any) -> list[tuple[bool, str, str]]:
         (t.optimizer in ("sgd", "adam"), "train.optimizer", f"must be one of sgd, adam; got {t.optimizer!r}"),
         (0 <= t.momentum < 1, "train.momentum", f"must be in [0, 1), got {t.momentum}"),
         (t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}"),
+        (not t.nesterov or t.optimizer != "sgd" or t.momentum > 0, "train.nesterov",
+         f"needs train.momentum > 0, got momentum={t.momentum}"),
     ]
     if t.optimizer == "adam":  # under sgd these are refused as having no effect (train_inactive)
         checks += [(0 <= getattr(t, key) < 1, f"train.{key}", f"must be in [0, 1), got {getattr(t, key)}")
                    for key in ("adam_beta1", "adam_beta2")]
         checks.append((t.adam_eps > 0, "train.adam_eps", f"must be > 0, got {t.adam_eps}"))
     return checks
+
+
+def _length_checks(t: Any) -> list[tuple[bool, str, str]]:
+    """train.epochs / train.steps, shared by the federated loop and S-SGD: one of them, >= 1."""
+    return [
+        (t.steps is not None or (t.epochs is not None and t.epochs >= 1), "train.epochs",
+         f"must be >= 1 (or set train.steps), got {t.epochs}"),
+        (t.steps is None or t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}"),
+        (t.steps is None or t.epochs is None, "train.epochs",
+         f"has no effect when train.steps is set (train.steps={t.steps} fixes the number of "
+         f"steps; got train.epochs={t.epochs}): set one of them"),
+    ]
 
 
 # ---------------------------------------------------------------- the simulator and Flower
@@ -75,12 +89,7 @@ def check_run(run: RunConfig) -> None:
         (run.eval_every >= 1, "eval_every", f"must be >= 1, got {run.eval_every}"),
         (run.eval_batch_size >= 1, "eval_batch_size", f"must be >= 1, got {run.eval_batch_size}"),
         *_optimiser_checks(train),
-        (train.steps is not None or (train.epochs is not None and train.epochs >= 1), "train.epochs",
-         f"must be >= 1 (or set train.steps), got {train.epochs}"),
-        (train.steps is None or train.steps >= 1, "train.steps", f"must be >= 1, got {train.steps}"),
-        (train.steps is None or train.epochs is None, "train.epochs",
-         f"has no effect when train.steps is set (train.steps={train.steps} fixes the number of local "
-         f"steps; got train.epochs={train.epochs}): set one of them"),
+        *_length_checks(train),
         (run.checkpoint_every >= 0, "checkpoint_every", f"must be >= 0, got {run.checkpoint_every}"),
         (engine.state_store in STORE_KINDS, "engine.state_store",
          f"must be one of {', '.join(STORE_KINDS)}; got {engine.state_store!r}"),
@@ -114,8 +123,6 @@ def check_run(run: RunConfig) -> None:
         raise ConfigError(str(err)) from None
     if hasattr(run.partition, "alpha"):
         checks.append((run.partition.alpha > 0, "partition.alpha", f"must be > 0, got {run.partition.alpha}"))
-    checks.append((not train.nesterov or train.optimizer != "sgd" or train.momentum > 0, "train.nesterov",
-                   f"needs train.momentum > 0, got momentum={train.momentum}"))
     schedule = run.train_config.lr_schedule
     checks += [(False, f"train.lr_schedule.{key}", why) for key, why in schedule.problems(train.lr)]
     early = run.early_stop_conf
@@ -221,7 +228,7 @@ def check_effective(run: RunConfig) -> None:
     under another option (``train.adam_beta1`` with ``optimizer=sgd``, ``algorithm.constant_weight``
     with a gradual schedule, ``system.trace`` without ``system=trace``) set away from its default,
     or a compressor whose ``tensors`` are not among what the algorithm uploads."""
-    from fl_platform.compression.registry import COMPRESSORS, conf_of
+    from fl_platform.compression.registry import COMPRESSORS
     from fl_platform.compression.uplink import check_compressor
     from fl_platform.system.config import SystemConf
 
@@ -230,11 +237,9 @@ def check_effective(run: RunConfig) -> None:
     spec = run.algorithm_spec
     alg = run.algorithm_conf
     refuse_inactive("algorithm", alg, spec.conf(), alg.inactive_fields(run))
+    refuse_dataset_inactive(run)
     if run.get("compressor") is not None:
-        try:
-            comp = conf_of(run.compressor)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+        comp = _compressor_conf(run.compressor)
         refuse_inactive("compressor", comp, COMPRESSORS[comp.name][0](), comp.inactive_fields(run.rounds))
         try:
             check_compressor(comp, spec.client.uploads(alg), run.algorithm_name,
@@ -254,6 +259,25 @@ def check_effective(run: RunConfig) -> None:
             check_server_opt(opt, spec.server, run.algorithm_name)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+
+
+def _compressor_conf(node: Any) -> Any:
+    """The compressor section as its option's schema instance (ConfigError naming an unknown option or key)."""
+    from fl_platform.compression.registry import conf_of
+
+    try:
+        return conf_of(node)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def refuse_dataset_inactive(run: RunConfig) -> None:
+    """A dataset field that the other dataset settings make inert (``dataset.alpha`` with
+    ``dataset=synthetic dataset.iid=true``), set away from its default: both runtimes."""
+    ds = run.dataset
+    inactive = getattr(ds, "inactive_fields", None)
+    if inactive is not None:
+        refuse_inactive("dataset", ds, type(ds)(), inactive())
 
 
 def check_privacy_keys(run: RunConfig, spec: Any, alg: Any) -> None:
@@ -395,15 +419,16 @@ def check_resumable(run: RunConfig, saved_config: Path) -> None:
 
 def check_ssgd(run: RunConfig) -> None:
     """The S-SGD runtime's checks (fl_platform/ssgd): values, the federated-only train options it does
-    not take, and, as the simulator's, keys and plug-ins."""
+    not take, a field the chosen optimiser, compressor, sync mode or dataset option does not read (as
+    the simulator's check_effective), and, as the simulator's, keys and plug-ins."""
+    from fl_platform.ssgd.config import SSGDConf
     from fl_platform.training.schedule import LrSchedule
 
     s, t = run.ssgd, run.train
     compressor = run.compressor.name
     _raise_first([
         *_optimiser_checks(t),
-        ((t.epochs or 0) >= 1 or bool(t.steps), "train.epochs", f"must be >= 1 (or set train.steps), got {t.epochs}"),
-        (t.steps is None or t.steps >= 1, "train.steps", f"must be >= 1 or null, got {t.steps}"),
+        *_length_checks(t),
         (t.shuffle_offset == 0, "train.shuffle_offset",
          f"is the federated loop's noise-floor control; S-SGD shards every epoch from (seed, SHUFFLE, epoch) "
          f"and does not take it (leave it at 0), got {t.shuffle_offset}"),
@@ -429,4 +454,34 @@ def check_ssgd(run: RunConfig) -> None:
          f"local SGD averages whole models and takes no gradient compressor; got compressor={compressor} "
          "(use ssgd.sync=ddp, or compressor=none)"),
     ])
+    refuse_inactive("train", t, TrainConfig(), train_inactive(t))
+    comp = _compressor_conf(run.compressor)
+    refuse_inactive("compressor", comp, type(comp)(), {**comp.inactive_fields(), **_ssgd_compressor_inactive(comp)})
+    refuse_inactive("ssgd", s, SSGDConf(), _ssgd_inactive(plain(s.sync), comp.name))
+    refuse_dataset_inactive(run)
     check_keys_and_plugins(run)  # model=custom / dataset=custom load, with their fields checked
+
+
+def _ssgd_compressor_inactive(comp: Any) -> dict[str, str]:
+    """Compressor fields that S-SGD (fl_platform/ssgd) never reads, beyond the option's own inactive_fields."""
+    out = {"tensors": "it picks which tensors of a federated client's upload are compressed; S-SGD "
+                      "compresses the gradient and never reads it"}
+    if comp.name == "acpsgd":
+        why = ("the ACP-SGD optimiser wrapper compresses each parameter's gradient into its fusion buffers "
+               "(sized by ssgd.bucket_cap_mb) and does not read the compressor's layout")
+        out |= {"scope": why, "bucket_size": why}
+    return out
+
+
+def _ssgd_inactive(sync: str, compressor: str) -> dict[str, str]:
+    """ssgd.* fields that the chosen sync mode and compressor do not read (fl_platform/ssgd/sync.py make_sync)."""
+    if sync == "local":
+        return dict.fromkeys(("bucket_cap_mb", "start_iter"), "it sets up DDP (its buckets, its compression hook), "
+                             "and ssgd.sync=local averages with its own all-reduces, without DDP")
+    out = dict.fromkeys(("period", "local_start_step"), "a local SGD setting, and ssgd.sync=ddp (use ssgd.sync=local)")
+    if compressor == "none":
+        out["start_iter"] = "it is when the DDP compression hook starts compressing, and compressor=none installs no hook"
+    elif compressor == "acpsgd":
+        out["start_iter"] = ("it is when the DDP compression hook starts compressing, and compressor=acpsgd runs "
+                             "as an optimiser wrapper, not a DDP hook (it compresses from the first step)")
+    return out

@@ -172,6 +172,8 @@ _DATA = ("dataset=custom", "dataset._target_=plugin_pkg.data:blobs")
     (["callbacks=[{_target_: 'plugin_pkg.cb:StopAt', round: abc}]"],
      ["callbacks[0].round='abc': parameter round of plugin_pkg.cb:StopAt", "annotated int, got str 'abc'"]),
     (["engine.threads_per_worker=0"], ["engine.threads_per_worker must be >= 1"]),
+    (["dataset=synthetic", "partition=natural", "dataset.iid=true", "dataset.alpha=1.0"],
+     ["dataset.alpha=1.0 has no effect in this run", "dataset.iid=true gives every device one shared model"]),
 ])
 def test_bad_input_fails_with_a_clear_message(args, expected, tmp_path, cli):
     proc = cli.run(*args, f"hydra.run.dir={tmp_path / 'run'}", tmp=tmp_path)

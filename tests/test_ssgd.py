@@ -73,10 +73,50 @@ def test_config_reuses_the_simulator_groups():
     (["eval_batch_size=0"], "eval_batch_size must be >= 1"),
     (["train.precision=bf16"], "train.precision is a step option of the federated loop"),
     (["train.compile=true"], "train.compile is a step option of the federated loop"),
+    (["train.nesterov=true", "train.momentum=0"], "train.nesterov needs train.momentum > 0"),
+    # a key this run would not read (as the simulator's refusals: config_checks.refuse_inactive)
+    (["train.adam_beta1=0.5"], "train.adam_beta1=0.5 has no effect in this run: an Adam setting, and "
+                               "train.optimizer=sgd"),
+    (["train.adam_eps=0.1"], "train.adam_eps=0.1 has no effect in this run"),
+    (["train.optimizer=adam", "train.momentum=0.5"], "train.momentum=0.5 has no effect in this run: an SGD setting"),
+    (["train.optimizer=adam", "train.nesterov=true"], "train.nesterov=True has no effect in this run"),
+    (["train.steps=6", "train.epochs=3"], "train.epochs has no effect when train.steps is set"),
+    (["compressor.scope=global"], "compressor.scope='global' has no effect in this run: compressor=none"),
+    (["compressor.error_feedback=true"], "compressor.error_feedback=True has no effect in this run"),
+    (["compressor.bucket_size=7"], "compressor.bucket_size=7 has no effect in this run"),
+    (["compressor=topk", "compressor.tensors=[delta,state]"],
+     r"compressor.tensors=\['delta', 'state'\] has no effect in this run: .* S-SGD compresses the gradient"),
+    (["compressor=topk", "compressor.bucket_size=7"], "compressor.bucket_size=7 has no effect in this run: it sizes"),
+    (["compressor=acpsgd", "compressor.scope=global"], "compressor.scope='global' has no effect in this run: the "
+                                                       "ACP-SGD optimiser wrapper"),
+    (["ssgd.period=4"], "ssgd.period=4 has no effect in this run: a local SGD setting, and ssgd.sync=ddp"),
+    (["compressor=topk", "ssgd.local_start_step=2"], "ssgd.local_start_step=2 has no effect in this run"),
+    (["ssgd.start_iter=5"], "ssgd.start_iter=5 has no effect in this run: .* compressor=none installs no hook"),
+    (["compressor=acpsgd", "ssgd.start_iter=5"], "ssgd.start_iter=5 has no effect in this run: .* optimiser wrapper"),
+    (["ssgd.sync=local", "ssgd.start_iter=5"], "ssgd.start_iter=5 has no effect in this run: .* ssgd.sync=local"),
+    (["ssgd.sync=local", "ssgd.bucket_cap_mb=5"], "ssgd.bucket_cap_mb=5.0 has no effect in this run"),
+    (["dataset=synthetic", "dataset.iid=true", "dataset.beta=1.0"],
+     "dataset.beta=1.0 has no effect in this run: .* dataset.iid=true"),
 ])
 def test_bad_config_fails_naming_the_key(overrides, message):
     with pytest.raises(Exception, match=message):
         compose_ssgd_config(overrides)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["train.steps=6"],  # no epochs left to ignore (conf/ssgd.yaml: fl_unless_set)
+    ["train.optimizer=adam", "train.adam_beta1=0.5"],  # no momentum left to ignore (fl_if_sgd)
+    ["train.momentum=0.5", "train.nesterov=true"],
+    ["compressor=topk", "compressor.scope=bucket", "compressor.bucket_size=7", "ssgd.start_iter=5",
+     "ssgd.bucket_cap_mb=5"],
+    ["compressor=acpsgd", "compressor.error_feedback=false", "ssgd.bucket_cap_mb=5"],
+    ["ssgd.sync=local", "ssgd.period=4", "ssgd.local_start_step=2"],
+    ["dataset=synthetic", "dataset.alpha=1.0", "dataset.beta=1.0"],
+])
+def test_keys_the_run_reads_are_accepted(overrides):
+    cfg = compose_ssgd_config(overrides)
+    assert cfg.train.steps in (None, 6) and (cfg.train.epochs is None) == (cfg.train.steps is not None)
+    assert cfg.train.optimizer == "sgd" or cfg.train.momentum == 0.0
 
 
 def test_cli_reports_bad_overrides_and_prints_config(capsys):

@@ -75,11 +75,16 @@ class SSGDConfig:
 def register_ssgd_config() -> None:
     """Register the group schemas (shared with the simulator) and this runtime's top-level schema."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
     from fl_platform.config import register_configs
 
     register_configs()
     ConfigStore.instance().store(name=SCHEMA_NAME, node=SSGDConfig)
+    # train.momentum in conf/ssgd.yaml: 0.9 under SGD only, so that train.optimizer=adam has no momentum
+    # it would ignore (an explicit train.momentum beside adam is refused, config_checks.train_inactive).
+    OmegaConf.register_new_resolver("fl_if_sgd", lambda optimizer, value, otherwise: value if optimizer == "sgd"
+                                    else otherwise, replace=True)
 
 
 def compose_ssgd_config(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
