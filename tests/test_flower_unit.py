@@ -432,9 +432,100 @@ def test_strategy_rejects_wrong_shapes_and_non_finite_replies(caplog):
     assert torch.allclose(server.weights, expected, atol=1e-6)
     assert torch.equal(torch.from_numpy(arrays["weights"].numpy()), server.weights)
     text = caplog.text
-    assert f"client 0 rejected: wrong sizes 'delta': {len(fm) - 1} elements, expected {len(fm)}" in text
+    assert (f"client 0 rejected: wrong tensors 'delta': shape ({len(fm) - 1},) torch.float32, expected ({len(fm)},) "
+            "floating point") in text
     assert "client 1 rejected: non-finite values in ['delta']" in text
     assert "client 2 rejected: malformed reply: weight 'n' must be a finite number" in text
+
+
+def test_replies_every_client_could_agree_on_are_still_checked_against_the_run(caplog):
+    """The round's consensus accepts what most replies share, so one sampled client (or all of them) could
+    send a delta of another shape (the server step then crashed), of integers (folded in), none at all (a
+    silent no-op round), a negative weight, or a metric that overwrites a server column (num_clients,
+    test_accuracy on a round without evaluation): each is now rejected naming why, and the good reply is
+    the round."""
+    n = 6
+    rc = run_config(f"num_clients={n}", f"clients_per_round={n}")
+    grid = LocalGrid(client_app, nodes(n), rc)
+    cfg = read_config(fc.from_run_config(rc)[0])
+    setup = make_setup(cfg, load_data(cfg))
+    seed_torch_global(cfg.seed, Stream.INIT)
+    fm = FlatModel(setup.model())
+    alg_setup = setup.algorithm_setup(fm.num_params, fm.num_buffers)
+    server = get_algorithm("fedavg").server(setup.algorithm_conf, alg_setup, fm.vector.detach().clone())
+    initial = server.weights.clone()
+    client = get_algorithm("fedavg").client(setup.algorithm_conf, alg_setup)
+    strategy = AlgorithmStrategy(server, seed=cfg.seed, num_rounds=1, num_clients=n, clients_per_round=n,
+                                 deploy=fc.from_run_config(rc)[1], expected_sizes=contribution_sizes(client, fm))
+    strategy.connect(grid)
+    good: dict[int, ClientUpdate] = {}
+
+    def tamper(reply: Message) -> Message:
+        update = decode_update(reply.content)
+        cid = update.client_id
+        if cid == 0:
+            update.tensors["delta"] = update.tensors["delta"].reshape(-1, 1)
+        elif cid == 1:
+            update.tensors["delta"] = update.tensors["delta"].to(torch.int32)
+        elif cid == 2:
+            update.tensors = {}
+        elif cid == 3:
+            update.weights["n"] = -1e6
+        elif cid == 4:
+            update.metrics.add("test_accuracy", 0.999)
+        else:
+            good[cid] = update
+            return reply
+        return Message(encode_update(update), reply_to=grid.pushed[-1])
+
+    grid.tamper = tamper
+    with caplog.at_level(logging.WARNING, logger="fl_platform"):
+        replies = grid.send_and_receive(list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid)))
+        _, metrics = strategy.aggregate_train(1, replies)
+    assert metrics["num_clients"] == 1 and "test_accuracy" not in metrics
+    assert torch.allclose(server.weights, initial + good[5].tensors["delta"] / good[5].weights["n"], atol=1e-6)
+    text = caplog.text
+    assert f"client 0 rejected: wrong tensors 'delta': shape ({len(fm)}, 1)" in text
+    assert "client 1 rejected: wrong tensors 'delta': shape" in text and "torch.int32" in text
+    assert "client 2 rejected: lacks tensors ['delta']" in text
+    assert "client 3 rejected: malformed reply: weights ['n'] and num_samples must be >= 0" in text
+    assert "client 4 rejected: malformed reply: metric 'test_accuracy' is a column the server writes" in text
+
+
+def test_a_top_k_payload_with_indices_its_encoder_cannot_make_is_refused():
+    """A negative index would wrap to the last coordinate and be folded in silently; one past the end, or a
+    bitmap with more bits than values, raised a raw IndexError: check_payload refuses each before decode."""
+    from fl_platform.compression.topk import TopK
+
+    for index in ("int32", "bitmap"):
+        comp = TopK(0.1, index)
+        payload, _ = comp.encode(torch.randn(100))
+        comp.check_payload(payload)  # its own output passes
+        tensors = dict(payload.tensors)
+        if index == "int32":
+            bad = [(torch.cat([torch.tensor([-1], dtype=torch.int32), tensors["indices"][1:]]), "must lie in [0, 100)"),
+                   (torch.cat([tensors["indices"][:-1], torch.tensor([100], dtype=torch.int32)]), "must lie in [0, 100)"),
+                   (torch.cat([tensors["indices"][:1], tensors["indices"][:-1]]), "strictly ascending")]  # repeated
+            for idx, message in bad:
+                with pytest.raises(ValueError, match=re.escape(message)):
+                    comp.check_payload(type(payload)({**tensors, "indices": idx}, payload.shape, payload.dtype))
+        else:
+            full = torch.full_like(tensors["bitmap"], 255)
+            with pytest.raises(ValueError, match="bitmap marks 100 coordinates for 10 values"):
+                comp.check_payload(type(payload)({**tensors, "bitmap": full}, payload.shape, payload.dtype))
+    # the server's codec checks every part of a reply's payload (here behind error feedback)
+    from fl_platform.compression.registry import TopKConf
+    from fl_platform.compression.uplink import make_uplink
+    from fl_platform.flower.payloads import PayloadCodec
+
+    fm = FlatModel(torch.nn.Linear(10, 10))
+    codec = PayloadCodec(make_uplink(TopKConf(ratio=0.1, index="int32"), fm, object()))
+    ctx = RoundContext(round=0, seed=0, clients=(0,), num_rounds=1, num_clients=1)
+    data = bytearray(codec.uplink.encode(ctx, 0, "delta", torch.randn(len(fm)), None, 1.0)[0].to_bytes())
+    codec.unpack_one(ctx, 0, "delta", len(fm), bytes(data))
+    data[0:4] = (-1).to_bytes(4, "little", signed=True)  # the first index of the first part
+    with pytest.raises(ValueError, match=re.escape("top-k indices must lie in [0, ")):
+        codec.unpack_one(ctx, 0, "delta", len(fm), bytes(data))
 
 
 def test_fab_holds_the_app_and_nothing_heavy(tmp_path):

@@ -151,6 +151,11 @@ class Compressor(ABC):
     def decode(self, payload: Payload, state: State | None = None) -> torch.Tensor:
         """The tensor the receiver reconstructs (``state``: the one ``encode`` returned)."""
 
+    def check_payload(self, payload: Payload) -> None:
+        """Refuse a payload from an untrusted sender (a deployment's client) that its layout admits but
+        ``decode`` would misread (raise ValueError naming it); the server calls it once per reply, before
+        decoding. The default has nothing to check: ``Payload.from_bytes`` checked the sizes."""
+
     def nbytes(self, payload: Payload) -> int:
         return payload.nbytes
 

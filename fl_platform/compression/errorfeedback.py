@@ -53,6 +53,9 @@ class ErrorFeedback(Compressor):
     def decode(self, payload: Payload, state: State | None = None) -> torch.Tensor:
         return self.inner.decode(payload, self._inner(state))
 
+    def check_payload(self, payload: Payload) -> None:
+        self.inner.check_payload(payload)
+
     def add(self, a: Payload, b: Payload) -> Payload:
         return self.inner.add(a, b)
 

@@ -62,6 +62,23 @@ class TopK(Compressor):
             tensors = {"values": flat[idx], "indices": idx.to(dtype)}
         return Payload(tensors, tuple(x.shape), x.dtype, {"k": k}), {}
 
+    def check_payload(self, payload: Payload) -> None:
+        """Indices in range and ascending (a negative one would wrap to the end, a repeated one be written
+        twice), or a bitmap with one bit per value: what ``decode`` assumes of its own encoder's output."""
+        count = payload.tensors["values"].numel()
+        if "bitmap" in payload.tensors:
+            kept = int(unpack_bits(payload.tensors["bitmap"], payload.numel).sum())
+            if kept != count:
+                raise ValueError(f"top-k bitmap marks {kept} coordinates for {count} values")
+            return
+        idx = payload.tensors["indices"].to(torch.int64)
+        if idx.numel() != count:
+            raise ValueError(f"top-k payload has {idx.numel()} indices for {count} values")
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= payload.numel):
+            raise ValueError(f"top-k indices must lie in [0, {payload.numel}), got {int(idx.min())}..{int(idx.max())}")
+        if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            raise ValueError("top-k indices must be strictly ascending (as the encoder sends them)")
+
     def indices(self, payload: Payload) -> torch.Tensor:
         """The kept coordinates (int64, ascending)."""
         if "bitmap" in payload.tensors:

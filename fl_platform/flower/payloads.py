@@ -53,6 +53,7 @@ class PayloadCodec:
             if pos + n > len(data):
                 raise ValueError(f"payload of {name!r} ends after {len(data)} bytes, the layout needs more")
             parts.append(part.from_bytes(data[pos:pos + n]))
+            vc.compressor.check_payload(parts[-1])  # (a client is not trusted: e.g. top-k's indices in range)
             pos += n
         if pos != len(data):
             raise ValueError(f"payload of {name!r} has {len(data) - pos} bytes more than its layout")

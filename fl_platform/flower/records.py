@@ -32,6 +32,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fl_platform.core import Broadcast, ClientUpdate, Metrics, RoundContext
+from fl_platform.rounds.simulation import SERVER_COLUMNS
 
 CONTEXT, TENSORS, SCALARS, CLIENT = "context", "tensors", "scalars", "client"
 UPDATE, WEIGHTS, METRICS, INFO = "update", "weights", "metrics", "info"
@@ -147,8 +148,15 @@ def decode_update(content: RecordDict) -> ClientUpdate:
         if not isinstance(info.get(key), int):
             raise InvalidReply(f"reply info.{key} must be an int, got {info.get(key)!r}")
     weights = {k: _finite_number(f"weight {k!r}", v) for k, v in metric_records[WEIGHTS].items()}
+    negative = sorted(k for k, v in weights.items() if v < 0)
+    if negative or info["num_samples"] < 0:
+        raise InvalidReply(f"weights {negative} and num_samples must be >= 0 (they count samples or clients), got "
+                           f"{ {k: weights[k] for k in negative} }, num_samples={info['num_samples']}")
     metrics = Metrics()
     for name, pair in metric_records[METRICS].items():
+        if name in SERVER_COLUMNS or name.startswith("test_"):
+            raise InvalidReply(f"metric {name!r} is a column the server writes (its own counts, its evaluation): "
+                               "a client may not send it")
         if not isinstance(pair, list) or len(pair) != 2:
             raise InvalidReply(f"metric {name!r} must be [sum, count], got {pair!r}")
         metrics.add(name, _finite_number(f"metric {name!r}", pair[0]), _finite_number(f"metric {name!r}", pair[1]))

@@ -231,6 +231,9 @@ class AlgorithmStrategy(Strategy):
                 if reply.metadata.reply_to_message_id in pending:
                     pending.discard(reply.metadata.reply_to_message_id)
                     replies.append(reply)
+                else:  # a second reply to a message, or one to no message of this round
+                    log.warning("ignored a reply from node %d to message %s: not a pending message of this round",
+                                reply.metadata.src_node_id, reply.metadata.reply_to_message_id)
             if not pending or time.monotonic() >= deadline:
                 break
             time.sleep(self.deploy.poll_interval)
@@ -268,7 +271,7 @@ class AlgorithmStrategy(Strategy):
                 continue
             try:
                 self.unpack(ctx, update, reply)
-            except (InvalidReply, ValueError, RuntimeError) as err:
+            except (InvalidReply, ValueError, RuntimeError, IndexError) as err:
                 rejected[cid] = f"undecodable payload: {err}"
                 continue
             if self.privacy is not None:
@@ -277,11 +280,9 @@ class AlgorithmStrategy(Strategy):
                 except ValueError as err:
                     rejected[cid] = f"not a private update: {err}"
                     continue
-            wrong = {k: (t.numel(), self.expected_sizes[k]) for k, t in update.tensors.items()
-                     if k in self.expected_sizes and t.numel() != self.expected_sizes[k]}
-            if wrong:
-                rejected[cid] = "wrong sizes " + ", ".join(f"{k!r}: {n} elements, expected {m}"
-                                                          for k, (n, m) in wrong.items())
+            why = self.unexpected(update)
+            if why:
+                rejected[cid] = why
                 continue
             bad = [k for k, t in update.tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())]
             if bad:
@@ -314,6 +315,22 @@ class AlgorithmStrategy(Strategy):
         return WorkerResult(worker_id=0, aggregate=aggregate, updates=updates, metrics=metrics,
                             client_seconds={}, busy_seconds=time.perf_counter() - plan.started,
                             bytes_up=bytes_up, bytes_down=plan.bytes_down, rejected=rejected)
+
+    def unexpected(self, update: ClientUpdate) -> str | None:
+        """Why a decoded reply is not a contribution of this run, or None. The tensors the client half always
+        sends (``expected_sizes``: declared sizes of declared uploads, under DP the private ones) must all be
+        there, flat, floating point and of their size: the round's consensus alone would accept a
+        malformed signature that every reply shares (one sampled client), and a missing ``delta`` made the
+        server step a silent no-op."""
+        required = {k: n for k, n in self.expected_sizes.items()
+                    if self.privacy is None or k in self.privacy.private.tensors}
+        missing = sorted(set(required) - set(update.tensors))
+        if missing:
+            return f"lacks tensors {missing}"
+        wrong = [f"{k!r}: shape {tuple(t.shape)} {t.dtype}, expected ({required[k]},) floating point"
+                 for k, t in sorted(update.tensors.items()) if k in required
+                 and (tuple(t.shape) != (required[k],) or not t.is_floating_point())]
+        return "wrong tensors " + ", ".join(wrong) if wrong else None
 
     def unpack(self, ctx: RoundContext, update: ClientUpdate, reply: Message) -> None:
         """Decode the compressed payloads of a reply into ``update.tensors`` (see payloads.py)."""

@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 
 #: Rollbacks to the same checkpoint before the run gives up (a fault that recurs on every rerun).
 MAX_ROLLBACKS = 3
+#: Columns of a round's row that the round loop itself writes (test_* are its evaluation's): a deployment's
+#: client may not send a metric of these names (flower/records.py).
+SERVER_COLUMNS = frozenset({"round", "num_clients", "bytes_up", "bytes_down", "round_time_s", "rejected_clients",
+                            "rejected_reasons", "payload_bytes_up"})
 #: Where a checkpoint keeps the privacy state (adaptive clipping's C), next to the server half's.
 PRIVACY_STATE = "_privacy"
 
@@ -130,13 +134,13 @@ class Simulation:
         if self.privacy is not None:
             private.update(self.privacy.after_round(r + 1))
         round_seconds = time.perf_counter() - t0
-        row: dict[str, Any] = {
+        row: dict[str, Any] = {  # the clients' means first: a server column of the same name wins
+            **{k: v for k, v in metrics.means().items() if k != "local_steps"},
             "round": r + 1,
             "num_clients": len(clients) - len(rejected),
             "bytes_up": sum(res.bytes_up for res in results),
             "bytes_down": sum(res.bytes_down for res in results),
             "round_time_s": round_seconds,
-            **{k: v for k, v in metrics.means().items() if k != "local_steps"},
             **extra,
             **private,
             **self.engine.round_stats(),
