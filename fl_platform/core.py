@@ -6,6 +6,8 @@ an algorithm is written once against them (DESIGN.md section 9).
 
 from __future__ import annotations
 
+import math
+import numbers
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -96,6 +98,22 @@ class ClientUpdate:
     def nbytes(self) -> int:
         """Bytes of its tensors (what it weighs in a message)."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def problem(self, expected: Mapping[str, int]) -> str | None:
+        """Why this is not a contribution of the run, or None. ``expected``: the tensors the client half
+        always sends (name -> size): each present, flat, floating point and of its size; and every weight a
+        finite number >= 0. Shapes, dtypes and Python numbers only: nothing is read from a device."""
+        missing = sorted(set(expected) - set(self.tensors))
+        if missing:
+            return f"lacks tensors {missing}"
+        wrong = [f"{k!r}: shape {tuple(t.shape)} {t.dtype}, expected ({expected[k]},) floating point"
+                 for k, t in sorted(self.tensors.items()) if k in expected
+                 and (tuple(t.shape) != (expected[k],) or not t.is_floating_point())]
+        if wrong:
+            return "wrong tensors " + ", ".join(wrong)
+        bad = {k: v for k, v in self.weights.items()
+               if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0}
+        return f"weights {bad} must be finite numbers >= 0 (they count samples or clients)" if bad else None
 
     def is_finite(self) -> bool:
         if self.finite is not None:

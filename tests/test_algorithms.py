@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
+from fl_platform.algorithms.base import AlgorithmSpec, ClientAlgorithm
+from fl_platform.algorithms.fedavg import FedAvgConf, FedAvgServer
 from fl_platform.experiment import build, run_experiment
 from fl_platform.rounds.simulation import is_timing_key
 
@@ -161,3 +164,68 @@ def test_a_training_or_evaluation_setting_outside_its_range_is_refused_at_start_
                                        ["train.optimizer=adam", "train.adam_beta1=0", "train.adam_beta2=0.5"]])
 def test_the_edge_of_each_range_still_builds(make_config, overrides):
     build(make_config(*overrides)).engine.close()
+
+
+# ---------------------------------------------------------------- a plug-in's halves, checked where they hand over
+
+class _Tampering(ClientAlgorithm):
+    """FedAvg's client half whose update is then broken as ``MODE`` says (set per test)."""
+
+    MODE = ""
+
+    def train(self, ctx, client_id, broadcast, state, data, trainer):
+        update = super().train(ctx, client_id, broadcast, state, data, trainer)
+        delta = update.tensors["delta"]
+        if self.MODE == "missing":
+            update.tensors = {"dleta": delta}
+        elif self.MODE == "int":
+            update.tensors["delta"] = delta.to(torch.int64)
+        elif self.MODE == "short":
+            update.tensors["delta"] = delta[:-3]
+        elif self.MODE == "nan weight":
+            update.weights["n"] = math.nan
+        elif self.MODE == "none":
+            return None
+        return update
+
+
+class _Silent(FedAvgServer):
+    def aggregate(self, ctx, result):
+        super().aggregate(ctx, result)  # a forgotten ``return``
+
+
+@pytest.mark.parametrize(("mode", "message"), [
+    ("missing", "client 0's update in round 1 lacks tensors ['delta']"),
+    ("int", "wrong tensors 'delta': shape"),
+    ("short", "wrong tensors 'delta': shape"),
+    ("nan weight", "weights {'n': nan} must be finite numbers >= 0"),
+    ("none", "the client half's train returned NoneType, not a ClientUpdate"),
+])
+def test_a_plug_in_update_that_is_not_a_contribution_stops_the_run_naming_it(monkeypatch, mode, message):
+    """A client half that misnames or drops its delta made every round a silent no-op (the model never moved),
+    an integer delta was cut to whole numbers, a short one failed in the server step without a name, a NaN
+    weight passed the finiteness check: the worker now checks each update against the declared uploads'
+    sizes (ClientUpdate.problem, as a Flower server checks a reply)."""
+    from fl_platform import api
+
+    monkeypatch.setattr(_Tampering, "MODE", mode)
+    spec = AlgorithmSpec("tampering", FedAvgConf, _Tampering, FedAvgServer, "FedAvg, broken on purpose")
+    with pytest.raises((ValueError, TypeError), match=re.escape(message)):
+        api.run(["dataset=digits", "num_clients=3", "clients_per_round=3", "rounds=1", "train.epochs=1",
+                 "logger.progress=false"], algorithm=spec)
+
+
+def test_a_server_half_must_return_its_metrics_as_a_dict_of_numbers():
+    """A forgotten ``return {}`` gave "'NoneType' object is not a mapping" with no class named."""
+    from fl_platform import api
+    from fl_platform.rounds.simulation import server_metrics
+
+    spec = AlgorithmSpec("silent", FedAvgConf, ClientAlgorithm, _Silent, "FedAvg without its return")
+    with pytest.raises(TypeError, match=re.escape("_Silent.aggregate must return a dict of metric names to numbers")):
+        api.run(["dataset=digits", "num_clients=3", "clients_per_round=3", "rounds=1", "train.epochs=1",
+                 "logger.progress=false"], algorithm=spec)
+    server = object.__new__(_Silent)
+    assert server_metrics(server, {"a": 1, "b": torch.tensor(2.5)}) == {"a": 1, "b": 2.5}
+    for bad in ({"a": "x"}, {"a": {"b": 1.0}}, {"a": torch.ones(2)}, {1: 1.0}, [("a", 1.0)]):
+        with pytest.raises(TypeError, match=r"_Silent\.aggregate"):
+            server_metrics(server, bad)

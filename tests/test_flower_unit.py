@@ -488,7 +488,7 @@ def test_replies_every_client_could_agree_on_are_still_checked_against_the_run(c
     assert f"client 0 rejected: wrong tensors 'delta': shape ({len(fm)}, 1)" in text
     assert "client 1 rejected: wrong tensors 'delta': shape" in text and "torch.int32" in text
     assert "client 2 rejected: lacks tensors ['delta']" in text
-    assert "client 3 rejected: malformed reply: weights ['n'] and num_samples must be >= 0" in text
+    assert "client 3 rejected: weights {'n': -1000000.0} must be finite numbers >= 0" in text
     assert "client 4 rejected: malformed reply: metric 'test_accuracy' is a column the server writes" in text
 
 

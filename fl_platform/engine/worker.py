@@ -27,7 +27,7 @@ import torch
 
 from fl_platform.algorithms.base import FedAvgCohort, ServerAlgorithm
 from fl_platform.algorithms.registry import get_algorithm
-from fl_platform.compression.uplink import make_uplink
+from fl_platform.compression.uplink import contribution_sizes, make_uplink, uploads_of
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
 from fl_platform.engine.scheduler import work_units
 from fl_platform.engine.timing import DeviceClock
@@ -95,6 +95,10 @@ class Worker:
         self.client = self.spec.client(setup.algorithm_conf, alg_setup)
         self.summable = self.spec.server.summable
         self.uplink = make_uplink(setup.compressor, self.fm, self.client)  # None: uplinks travel dense
+        # What every update must hold (ClientUpdate.problem): a plug-in's update without its delta made each
+        # round a silent no-op, an integer one was folded in, one of another size failed in the server step.
+        declared = uploads_of(self.client)
+        self.expected = {k: n for k, n in contribution_sizes(self.client, self.fm).items() if k in declared}
         # Client-level DP (fl_platform/privacy): clip (and under local DP, noise) each update before its
         # compression; None for privacy=none.
         self.privacy = make_client_privacy(setup.privacy, self.spec, setup.algorithm_conf)
@@ -261,6 +265,12 @@ class Worker:
                 update = self._cohort_update(cid)
             else:
                 update = self.client.train(ctx, cid, bc, state, self.client_data(cid), self.trainer)
+            if not isinstance(update, ClientUpdate):
+                raise TypeError(f"{self.spec.name}: the client half's train returned {type(update).__name__}, not a "
+                                "ClientUpdate")
+            why = update.problem(self.expected)
+            if why:
+                raise ValueError(f"{self.spec.name}: client {cid}'s update in round {ctx.round + 1} {why}")
             if not update.is_finite():
                 raise NonFiniteError(f"client {cid} in round {ctx.round + 1}: its update contains NaN/inf")
         except NonFiniteError as err:

@@ -317,20 +317,13 @@ class AlgorithmStrategy(Strategy):
                             bytes_up=bytes_up, bytes_down=plan.bytes_down, rejected=rejected)
 
     def unexpected(self, update: ClientUpdate) -> str | None:
-        """Why a decoded reply is not a contribution of this run, or None. The tensors the client half always
-        sends (``expected_sizes``: declared sizes of declared uploads, under DP the private ones) must all be
-        there, flat, floating point and of their size: the round's consensus alone would accept a
-        malformed signature that every reply shares (one sampled client), and a missing ``delta`` made the
-        server step a silent no-op."""
-        required = {k: n for k, n in self.expected_sizes.items()
-                    if self.privacy is None or k in self.privacy.private.tensors}
-        missing = sorted(set(required) - set(update.tensors))
-        if missing:
-            return f"lacks tensors {missing}"
-        wrong = [f"{k!r}: shape {tuple(t.shape)} {t.dtype}, expected ({required[k]},) floating point"
-                 for k, t in sorted(update.tensors.items()) if k in required
-                 and (tuple(t.shape) != (required[k],) or not t.is_floating_point())]
-        return "wrong tensors " + ", ".join(wrong) if wrong else None
+        """Why a decoded reply is not a contribution of this run (``ClientUpdate.problem``), or None. The
+        tensors the client half always sends (``expected_sizes``: declared sizes of declared uploads; under
+        DP the private ones) are checked even when every reply of the round agrees (one sampled client):
+        the consensus alone accepted a delta of another shape (the server step crashed) or none at all (a
+        silent no-op round)."""
+        return update.problem({k: n for k, n in self.expected_sizes.items()
+                               if self.privacy is None or k in self.privacy.private.tensors})
 
     def unpack(self, ctx: RoundContext, update: ClientUpdate, reply: Message) -> None:
         """Decode the compressed payloads of a reply into ``update.tensors`` (see payloads.py)."""

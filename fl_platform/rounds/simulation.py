@@ -24,8 +24,10 @@ scheduling fields (``is_timing_key``), which naturally differ between runs.
 from __future__ import annotations
 
 import logging
+import numbers
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +73,25 @@ class LoopConfig:
     # is sent ``seed`` (fl_platform/flower/server_app.py)
     sampling_seed: int | None = None
     nonfinite: str = "fail"  # engine.nonfinite: a non-finite test loss or accuracy stops the run ("fail") or is logged
+
+
+def server_metrics(server: Any, out: Any) -> dict[str, float]:
+    """The metrics a server half's ``aggregate`` returned, as the row's numbers: a mapping of names to
+    numbers (a 0-d tensor is read once, as the row writes it). A forgotten ``return {}`` (None), a list or a
+    nested value is refused naming the class, not met later as "'NoneType' object is not a mapping"."""
+    name = type(server).__name__
+    if not isinstance(out, Mapping):
+        raise TypeError(f"{name}.aggregate must return a dict of metric names to numbers ({{}} for none), got "
+                        f"{type(out).__name__}")
+    row: dict[str, float] = {}
+    for key, value in out.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() == 0:
+            value = value.item()
+        if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name}.aggregate returned {key!r}: {type(value).__name__}; metrics must be numbers "
+                            "under string names")
+        row[key] = value
+    return row
 
 
 class Simulation:
@@ -130,7 +151,7 @@ class Simulation:
         private: dict[str, float] = {}
         if self.privacy is not None:  # (list-mode algorithms are refused under DP at start-up)
             private = self.privacy.privatise(ctx, combined)
-        extra = self.server.aggregate(ctx, combined)
+        extra = server_metrics(self.server, self.server.aggregate(ctx, combined))
         if self.privacy is not None:
             private.update(self.privacy.after_round(r + 1))
         round_seconds = time.perf_counter() - t0
