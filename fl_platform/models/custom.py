@@ -10,11 +10,14 @@ survive having its parameters re-pointed into one flat buffer (no cached paramet
 weight tying; see fl_platform/models/base.py). Split algorithms (FedImpro, VHL, FuseFL) cut the
 model into stages and need a :class:`StagedModel`: subclass it, or return an ``nn.Sequential``
 ending in an ``nn.Linear``, which is turned into one (its layers the stages, the last the ``head``).
-Both are checked at start-up with one dry forward pass (:func:`check_custom`).
+Both are checked at start-up with a dry forward pass in training and in eval mode, and for weights the
+platform can carry (:func:`dry_run_problem`); a target that returns one cached instance is refused at
+its second call.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -92,32 +95,95 @@ def build_custom(target: Target, input_shape: Sequence[int], num_classes: int, o
     model = fn(**{k: v for k, v in filled.items() if k in named}, **options)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model._target_={ref}: {describe(fn)} returned a {type(model).__name__}, not an nn.Module")
+    if model in _BUILT:
+        raise ValueError(f"model._target_={ref} returned the {type(model).__name__} instance it had returned "
+                         "before; every call must build a new module (the server, the evaluator and each client train "
+                         "their own copy, so a shared one changes the results)")
+    _BUILT.add(model)
     return as_staged(model, input_shape)
+
+
+#: The modules :func:`build_custom` returned in this process (while they live): a target that hands
+#: out one cached instance is refused at its second call (at start-up: the check builds one, the run another).
+_BUILT: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def dry_run_problem(model: nn.Module, input_shape: tuple[int, ...], num_classes: int,
                     dtype: torch.dtype | None) -> str | None:
-    """Why a training-mode forward pass of one zero sample fails or gives other than ``[1, num_classes]``
-    logits, or None. Restores every buffer and forks the CPU RNG (draws nothing from the run's)."""
+    """Why ``model`` cannot be the run's model, or None: a training-mode forward pass of two zero samples
+    and an eval-mode one of one sample must give ``[batch, num_classes]`` floating-point logits, and its
+    parameters and buffers must be what the platform carries between server and clients.
+
+    Two samples in training mode: the mode every client trains in (dropout, BatchNorm's batch
+    statistics), with the fewest samples BatchNorm can normalise (one sample has no batch statistics:
+    a BatchNorm MLP is valid, and a client's last batch of one fails only where the data make one,
+    not here). One sample in eval mode: evaluation batches can hold one, and a forward that drops the
+    batch axis (``squeeze()``) shows itself. Restores every buffer and module's mode and forks the CPU
+    RNG (draws nothing from the run's)."""
+    if (reason := layout_problem(model)) is not None:
+        return reason
     ref = next(iter(model.parameters()), None)
     dtype = dtype or getattr(model, "input_dtype", None) or (ref.dtype if ref is not None else torch.float32)
-    x = torch.zeros((1, *input_shape), dtype=dtype)
+    modes = [m.training for m in model.modules()]
     saved = [b.detach().clone() for b in model.buffers()]
+    dims = "x".join(map(str, input_shape)) or "scalar"
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            out = model(x)
-    except Exception as err:  # the user's forward: any error is a reason to refuse the pair
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        return f"a training forward pass of one {'x'.join(map(str, input_shape))} sample fails: {first}"
+        for train, batch in ((True, 2), (False, 1)):
+            model.train(train)
+            what = (f"a training-mode forward pass of two samples of shape {dims}" if train
+                    else f"an eval-mode forward pass of one sample of shape {dims}")
+            try:
+                with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                    out = model(torch.zeros((batch, *input_shape), dtype=dtype))
+            except Exception as err:  # the user's forward: any error is a reason to refuse the pair
+                first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+                return f"{what} fails: {first}"
+            if not isinstance(out, torch.Tensor):
+                return f"its forward returns a {type(out).__name__}, not a tensor of logits"
+            if tuple(out.shape) != (batch, num_classes):
+                return (f"{what} returns shape {tuple(out.shape)}; the run needs ({batch}, {num_classes}) logits "
+                        "(num_classes is passed to the constructor when it takes a num_classes argument)")
+            if not out.is_floating_point():
+                return (f"its forward returns {out.dtype} logits; the loss needs floating-point logits (return the "
+                        "scores, not class ids)")
     finally:
         with torch.no_grad():
             for b, s in zip(model.buffers(), saved):
                 b.copy_(s)
-    if not isinstance(out, torch.Tensor):
-        return f"its forward returns a {type(out).__name__}, not a tensor of logits"
-    if tuple(out.shape) != (1, num_classes):
-        return (f"its forward returns shape {tuple(out.shape)} for one sample; the run needs (1, {num_classes}) logits "
-                "(num_classes is passed to the constructor when it takes a num_classes argument)")
+        for m, mode in zip(model.modules(), modes):
+            m.training = mode
+    return None
+
+
+def layout_problem(model: nn.Module) -> str | None:
+    """Why the platform cannot carry ``model``'s weights in its flat vector (parameters, then floating
+    buffers; fl_platform/training/flat.py) and load them back into a fresh instance, or None."""
     if not list(model.parameters()):
         return "it has no parameters to train"
+    for kind, named in (("parameter", model.named_parameters(remove_duplicate=False)),
+                        ("buffer", model.named_buffers(remove_duplicate=False))):
+        names: dict[int, list[str]] = {}
+        for name, t in named:
+            if t is not None:
+                names.setdefault(id(t), []).append(name)
+        shared = [n for n in names.values() if len(n) > 1]
+        if shared:
+            return (f"{kind}s {' and '.join(shared[0])} are one tensor (tied weights, or a {kind} kept under a second "
+                    f"name); the platform carries each {kind} once and cannot load a model whose state_dict "
+                    "repeats one: untie them, or keep the second reference out of the module (not as an attribute)")
+    carried = dict(model.named_parameters())
+    carried.update((n, b) for n, b in model.named_buffers() if b is not None and b.is_floating_point())
+    state = model.state_dict()
+    dropped = [f"{n} ({state[n].dtype})" for n in state if n not in carried and not _batchnorm_count(model, n)]
+    if dropped:
+        return (f"its state_dict holds {', '.join(dropped)}, which the platform does not carry (only parameters and "
+                "floating-point buffers are averaged and sent): make it a float buffer, or register it with "
+                "persistent=False")
     return None
+
+
+def _batchnorm_count(model: nn.Module, name: str) -> bool:
+    """Whether ``name`` is a BatchNorm's ``num_batches_tracked`` (BatchNorm fills it in when a state_dict lacks it)."""
+    owner, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner)
+    return attr == "num_batches_tracked" and isinstance(module, nn.modules.batchnorm._BatchNorm)
