@@ -131,3 +131,19 @@ def test_small_partials_are_summed_by_the_driver(ray_session):
         assert [row["sched_driver_in_bytes"] for row in exp.simulation.history] == [2 * vector_bytes] * 3
     finally:
         exp.engine.close()
+
+
+def test_an_inline_run_gives_the_process_its_torch_settings_back():
+    """The inline engine's workers live in the caller's process and set its torch threads and deterministic
+    algorithms; after the run (fl_platform.api in a notebook) the caller's settings are back."""
+    from fl_platform import api
+
+    before = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())
+    torch.set_num_threads(2)
+    try:
+        api.run(["dataset=digits", "num_clients=3", "clients_per_round=3", "rounds=1", "train.epochs=1",
+                 "engine.threads_per_worker=1", "engine.deterministic=true", "logger.progress=false"])
+        assert (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()) == (2, False)
+    finally:
+        torch.set_num_threads(before[0])
+        torch.use_deterministic_algorithms(before[1])

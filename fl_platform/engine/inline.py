@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fl_platform.core import Broadcast, RoundContext
 from fl_platform.engine.faults import Faults, FaultyWorker
 from fl_platform.engine.scheduler import Scheduler
@@ -31,6 +33,10 @@ class InlineEngine(Engine):
         if num_workers < 1:
             raise ValueError(f"engine.num_workers must be >= 1, got {num_workers}")
         faults = Faults.from_conf({"slow_worker": slow_worker, "slow_factor": slow_factor}, num_workers)
+        # The workers run in this process and set its torch threads (engine.threads_per_worker) and
+        # deterministic algorithms (engine.deterministic): put back on close, for the caller's next code.
+        self._process_settings = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+                                  torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
         self.setup = setup
         self.num_workers = num_workers
         self.distributed = setup.state_store == "distributed"
@@ -138,3 +144,7 @@ class InlineEngine(Engine):
     def close(self) -> None:
         for w in self._stores():
             w.close()
+        threads, deterministic, cudnn_deterministic, benchmark = self._process_settings
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_deterministic, benchmark
