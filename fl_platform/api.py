@@ -57,11 +57,20 @@ class Result:
         return [(row["round"], row[name]) for row in self.history if name in row]
 
 
-def compose(overrides: Sequence[str] = (), **objects: Any) -> DictConfig:
-    """The config :func:`run` would run for these overrides and objects (see :func:`overrides_for`)."""
+def compose(overrides: Sequence[str] = (), *, model: Any = None, data: Any = None, partition: Any = None,
+            algorithm: Any = None, callbacks: Sequence[Any] = ()) -> DictConfig:
+    """The config :func:`run` would run for these overrides and objects (see :func:`overrides_for`).
+
+    An override of a key the objects set (``model=cnn`` or ``model._target_=...`` beside ``model=``,
+    ``dataset=...`` beside ``data=``, ``partition=``/``num_clients=`` beside index lists,
+    ``algorithm=`` beside ``algorithm=``, ``callbacks=[...]`` beside ``callbacks=``) is refused
+    naming both: neither would win silently."""
     from fl_platform.config import compose as compose_config
 
-    return compose_config([*overrides, *overrides_for(**objects)])
+    overrides = _override_list(overrides)
+    given = overrides_for(model=model, data=data, partition=partition, algorithm=algorithm, callbacks=callbacks)
+    _refuse_conflicts(overrides, given)
+    return compose_config([*overrides, *given])
 
 
 def run(overrides: Sequence[str] = (), *, model: Any = None, data: Any = None, partition: Any = None,
@@ -69,13 +78,54 @@ def run(overrides: Sequence[str] = (), *, model: Any = None, data: Any = None, p
         ) -> Result:
     """Compose the config from ``overrides`` and the objects, run it, return a :class:`Result`.
 
-    ``callbacks``: called after each round as ``on_round_end(round, metrics, model)`` (objects with that
-    method, or functions); one that returns true stops the run (fl_platform/rounds/callbacks.py).
+    ``callbacks``: a list, called after each round as ``on_round_end(round, metrics, model)`` (objects
+    with that method, or functions); one that returns True stops the run, None or False goes on
+    (fl_platform/rounds/callbacks.py).
     ``run_dir``: where config.yaml, metrics.jsonl, summary.json, model.pt and checkpoints go (as the
     CLI's run directory); None writes nothing.
     """
+    _check_run_dir(run_dir)
     cfg = compose(overrides, model=model, data=data, partition=partition, algorithm=algorithm, callbacks=callbacks)
     return run_config(cfg, run_dir)
+
+
+def _override_list(overrides: Any) -> list[str]:
+    """``overrides`` as a list of strings, or a TypeError naming what is wrong."""
+    if isinstance(overrides, str | bytes) or not isinstance(overrides, Sequence):
+        raise TypeError(f"overrides must be a list of strings such as ['rounds=20'], got a {type(overrides).__name__}"
+                        + (f" ({overrides!r}: pass [{overrides!r}])" if isinstance(overrides, str) else ""))
+    bad = [(i, o) for i, o in enumerate(overrides) if not isinstance(o, str)]
+    if bad:
+        i, o = bad[0]
+        raise TypeError(f"overrides[{i}] must be a string such as 'rounds=20', got a {type(o).__name__} ({o!r})")
+    return list(overrides)
+
+
+def _check_run_dir(run_dir: Any) -> None:
+    if run_dir is not None and not isinstance(run_dir, str | os.PathLike):
+        raise TypeError(f"run_dir must be a path (a str or os.PathLike) or None, got a {type(run_dir).__name__} "
+                        f"({run_dir!r})")
+
+
+def _override_key(override: str) -> str:
+    """The config key an override sets or deletes (``+model.width=3`` -> ``model.width``)."""
+    key = override.split("=", 1)[0].strip().lstrip("~+")
+    return key.split("@", 1)[0]
+
+
+def _refuse_conflicts(overrides: list[str], given: list[str]) -> None:
+    """Refuse an override whose key one of the objects' overrides sets (unless it is that same override)."""
+    set_by = {_override_key(g): g for g in given}
+    for override in overrides:
+        key = _override_key(override)
+        if key in set_by and override.strip().lstrip("+") != set_by[key]:
+            raise ValueError(f"override {override!r} conflicts with the {_ARGUMENT[key.split('.')[0]]}= argument, "
+                             f"which sets {set_by[key]!r}: drop one of them")
+
+
+#: The api.run argument behind each config key its objects set.
+_ARGUMENT = {"model": "model", "dataset": "data", "partition": "partition", "num_clients": "partition",
+             "algorithm": "algorithm", "callbacks": "callbacks"}
 
 
 def run_config(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Result:
@@ -122,7 +172,10 @@ def overrides_for(model: Any = None, data: Any = None, partition: Any = None, al
     if isinstance(partition, str):
         out.append(f"partition={partition}")
     elif partition is not None:
-        groups = [np.asarray(ix, dtype=np.int64).reshape(-1) for ix in partition]
+        if isinstance(partition, np.ndarray | bytes) or not isinstance(partition, Sequence):
+            raise TypeError("partition must be a partitioner's name or a list with one sequence of training-sample "
+                            f"indices per client, got a {type(partition).__name__}")
+        groups = [_indices(ix, i) for i, ix in enumerate(partition)]
         out += ["partition=natural", f"num_clients={len(groups)}"]
     if isinstance(data, str):
         if groups is not None:
@@ -141,6 +194,9 @@ def overrides_for(model: Any = None, data: Any = None, partition: Any = None, al
         out.append(f"algorithm={algorithm}")
     elif algorithm is not None:
         raise TypeError(f"algorithm must be an AlgorithmSpec or a name, got a {type(algorithm).__name__}")
+    if isinstance(callbacks, str | bytes) or not isinstance(callbacks, Sequence):
+        raise TypeError(f"callbacks must be a list of callbacks (functions or objects with on_round_end), got a "
+                        f"{type(callbacks).__name__}" + (" (pass [fn])" if callable(callbacks) else ""))
     if callbacks:
         for cb in callbacks:
             if not callable(getattr(cb, "on_round_end", cb)):
@@ -148,6 +204,30 @@ def overrides_for(model: Any = None, data: Any = None, partition: Any = None, al
                                 "not callable")
         out.append("callbacks=[" + ",".join(_quote(object_ref(cb)) for cb in callbacks) + "]")
     return out
+
+
+def _indices(ix: Any, client: int) -> np.ndarray:
+    """Client ``client``'s training-sample indices as int64: integers, or floats that are whole numbers;
+    a boolean mask, fractions and non-numbers are refused naming the client."""
+    where = f"partition[{client}]"
+    if hasattr(ix, "detach"):
+        ix = ix.detach().cpu().numpy()
+    try:
+        a = np.asarray(ix).reshape(-1)
+    except Exception as err:
+        raise TypeError(f"{where} is not a sequence of sample indices ({type(ix).__name__}: {err})") from err
+    if a.dtype == bool:
+        raise TypeError(f"{where} is a boolean mask; partition takes index lists, not masks "
+                        "(pass np.flatnonzero(mask) for each client)")
+    if a.size == 0 or a.dtype.kind in "iu":
+        return a.astype(np.int64)
+    if a.dtype.kind != "f":
+        raise TypeError(f"{where} must hold integer sample indices, got dtype {a.dtype} (e.g. {a[0]!r})")
+    bad = a != np.round(a)  # NaN too
+    if bad.any():
+        raise ValueError(f"{where} must hold integer sample indices; {int(bad.sum())} of {a.size} are not "
+                         f"(e.g. {a[bad][0]})")
+    return a.astype(np.int64)
 
 
 def _quote(text: str) -> str:
@@ -169,23 +249,25 @@ def _array(value: Any, what: str) -> np.ndarray:
         value = value.detach().cpu().numpy()
     try:
         return np.asarray(value)
-    except Exception as err:
-        raise TypeError(f"data: {what} is not an array or tensor ({type(value).__name__})") from err
+    except Exception as err:  # ragged nested lists: numpy's "inhomogeneous shape"
+        raise TypeError(f"data: {what} is not an array or tensor ({type(value).__name__}: {err})") from err
 
 
 def source_from(data: Any, name: str = "python") -> SourceData:
     """``data`` (see :func:`overrides_for`) as the platform's source form."""
     if isinstance(data, SourceData):
         return data
+    names = ("train_x", "train_y", "test_x", "test_y")
     if isinstance(data, tuple | list) and len(data) == 2 and all(_is_dataset(d) for d in data):
         (train_x, train_y), (test_x, test_y) = (_read_dataset(d, w) for d, w in zip(data, ("train", "test")))
+        names = ("the train dataset's x", "the train dataset's y", "the test dataset's x", "the test dataset's y")
     elif isinstance(data, tuple | list) and len(data) == 4:
         train_x, train_y, test_x, test_y = (_array(v, w) for v, w in zip(data, ("train_x", "train_y", "test_x",
                                                                                  "test_y")))
     else:
         raise TypeError("data must be a SourceData, (train_x, train_y, test_x, test_y) arrays or tensors, or "
                         f"(train, test) torch Datasets; got {type(data).__name__}")
-    for what, y in (("train_y", train_y), ("test_y", test_y)):
+    for what, y in ((names[1], train_y), (names[3], test_y)):
         if y.ndim != 1 or not (np.issubdtype(y.dtype, np.integer) or y.dtype == bool):
             raise TypeError(f"data: {what} must be a 1-d array of integer class ids, got dtype {y.dtype} "
                             f"shape {y.shape}")
@@ -196,7 +278,15 @@ def source_from(data: Any, name: str = "python") -> SourceData:
     num_classes = int(train_y.max()) + 1  # the classes the clients can learn
     check_test_classes("data", test_y, num_classes, "Fix the labels, or pass a SourceData with num_classes set if "
                        "the model must have those outputs")
-    features = (lambda a: a.astype(np.float32, copy=False)) if np.issubdtype(train_x.dtype, np.floating) \
+    for what, x in ((names[0], train_x), (names[2], test_x)):
+        if x.dtype.kind not in "fiub":
+            raise TypeError(f"data: {what} holds {x.dtype} values; features must be numbers (floats, or integer "
+                            "token ids)")
+    floats = train_x.dtype.kind == "f"
+    if len(test_x) and (test_x.dtype.kind == "f") != floats:  # (an empty test set has no dtype of its own)
+        raise TypeError(f"data: {names[0]} is {train_x.dtype} and {names[2]} {test_x.dtype}: both must be float features or "
+                        "both integer token ids (convert one explicitly)")
+    features = (lambda a: a.astype(np.float32, copy=False)) if floats \
         else (lambda a: a.astype(np.int64, copy=False))  # integer features: token ids
     return SourceData(features(train_x), train_y.astype(np.int64), features(test_x), test_y.astype(np.int64),
                       num_classes=num_classes, input_shape=tuple(train_x.shape[1:]), name=name)
@@ -213,12 +303,17 @@ def _read_dataset(ds: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
     for i in range(len(ds)):
         item = ds[i]
         if not isinstance(item, tuple | list) or len(item) != 2:
-            raise TypeError(f"data: {what} dataset item {i} is not an (x, y) pair: {type(item).__name__}")
+            kind = f"a {type(item).__name__} of {len(item)}" if isinstance(item, tuple | list) else f"a {type(item).__name__}"
+            raise TypeError(f"data: {what} dataset item {i} is not an (x, y) pair: {kind}")
         xs.append(_array(item[0], f"{what}[{i}][0]"))
-        ys.append(int(_array(item[1], f"{what}[{i}][1]")))
+        ys.append(_array(item[1], f"{what}[{i}][1]"))
+        for part, got, first in (("x", xs[-1], xs[0]), ("y", ys[-1], ys[0])):
+            if got.shape != first.shape:
+                raise ValueError(f"data: {what} dataset item {i} has {part} of shape {got.shape}, item 0 of shape "
+                                 f"{first.shape}: every item's {part} must have one shape")
     if not xs:
         return np.zeros((0,), np.float32), np.zeros((0,), np.int64)
-    return np.stack(xs), np.asarray(ys, dtype=np.int64)
+    return np.stack(xs), np.stack(ys)  # the labels are checked as given (no int(): 1.7 is refused, not cut to 1)
 
 
 def _with_clients(source: SourceData, groups: list[np.ndarray]) -> SourceData:

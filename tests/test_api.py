@@ -175,3 +175,100 @@ def test_bad_inputs_are_refused_with_the_reason(monkeypatch):
         api.overrides_for(algorithm=NO_AGGREGATE)
     with pytest.raises(plugins.PluginError, match=r"names a Python object given to fl_platform\.api in the process"):
         plugins.load("object:Local@7f00", "model._target_")
+
+
+class _Pairs(torch.utils.data.Dataset):
+    def __init__(self, xs, ys) -> None:
+        self.xs, self.ys = xs, ys
+
+    def __len__(self) -> int:
+        return len(self.xs)
+
+    def __getitem__(self, i):
+        return self.xs[i], self.ys[i]
+
+
+_FN = _toy  # any importable function: an override conflict is refused before anything is loaded
+
+
+@pytest.mark.parametrize(("overrides", "objects", "message"), [
+    (["model=cnn"], {"model": nn.Linear}, r"override 'model=cnn' conflicts with the model= argument, which sets "
+                                          r"'model=custom'"),
+    (["model=custom", "model._target_=plugin_pkg.nets:TinyNet"], {"model": nn.Linear},
+     r"override 'model\._target_=plugin_pkg\.nets:TinyNet' conflicts with the model= argument"),
+    (["model=cnn"], {"model": "mlp"}, r"override 'model=cnn' conflicts with the model= argument, which sets 'model=mlp'"),
+    (["dataset=digits"], {"data": _toy()}, r"override 'dataset=digits' conflicts with the data= argument"),
+    (["dataset=synthetic"], {"data": "digits"}, r"'dataset=synthetic' conflicts with the data= argument, which sets "
+                                                r"'dataset=digits'"),
+    (["partition=iid"], {"data": _toy(), "partition": CLIENTS}, r"'partition=iid' conflicts with the partition= "
+                                                                r"argument, which sets 'partition=natural'"),
+    (["num_clients=5"], {"data": _toy(), "partition": CLIENTS}, r"'num_clients=5' conflicts with the partition= "
+                                                                r"argument, which sets 'num_clients=6'"),
+    (["partition=iid"], {"partition": "dirichlet"}, r"'partition=iid' conflicts with the partition= argument"),
+    (["algorithm=fedprox"], {"algorithm": "fedavg"}, r"'algorithm=fedprox' conflicts with the algorithm= argument, "
+                                                     r"which sets 'algorithm=fedavg'"),
+    (["callbacks=[tests.test_api:_FN]"], {"callbacks": [_FN]}, r"'callbacks=\[tests\.test_api:_FN\]' conflicts "
+                                                               r"with the callbacks= argument"),
+    (["+callbacks=[x:y]"], {"callbacks": [_FN]}, r"conflicts with the callbacks= argument"),
+])
+def test_an_override_of_a_key_the_objects_set_is_refused_naming_both(overrides, objects, message):
+    with pytest.raises(ValueError, match=message):
+        api.compose(["rounds=1", *overrides], **objects)
+
+
+def test_an_override_the_objects_do_not_set_or_repeat_is_kept():
+    cfg = api.compose(["rounds=1", "algorithm=fedprox", "algorithm.mu=0.5"], algorithm="fedprox")
+    assert (cfg.algorithm.name, cfg.algorithm.mu) == ("fedprox", 0.5)
+
+
+def test_wrongly_typed_arguments_are_refused_naming_them():
+    with pytest.raises(TypeError, match=r"overrides must be a list of strings such as \['rounds=20'\], got a str "
+                                        r"\('rounds=1': pass \['rounds=1'\]\)"):
+        api.compose("rounds=1")
+    with pytest.raises(TypeError, match=r"overrides\[1\] must be a string such as 'rounds=20', got a int \(3\)"):
+        api.compose(["rounds=1", 3])
+    with pytest.raises(TypeError, match=r"callbacks must be a list of callbacks .* got a function \(pass \[fn\]\)"):
+        api.compose([], callbacks=_FN)
+    with pytest.raises(TypeError, match=r"callbacks must be a list .* got a str"):
+        api.compose([], callbacks="mypkg:cb")
+    with pytest.raises(TypeError, match=r"run_dir must be a path \(a str or os\.PathLike\) or None, got a int \(5\)"):
+        api.run(["rounds=1"], run_dir=5)
+    with pytest.raises(TypeError, match=r"partition must be a partitioner's name or a list .* got a int"):
+        api.overrides_for(data=_toy(), partition=3)
+
+
+def test_data_is_refused_rather_than_converted():
+    train_x, train_y, test_x, test_y = (t.numpy() for t in _toy())
+    with pytest.raises(TypeError, match=r"data: train_x is int64 and test_x float32: both must be float features or "
+                                        r"both integer token ids"):
+        api.source_from((np.abs(train_x * 3).astype(np.int64), train_y, test_x, test_y))
+    with pytest.raises(TypeError, match=r"data: train_x holds <U\d+ values; features must be numbers"):
+        api.source_from((train_x.astype(str), train_y, test_x, test_y))
+    ragged = [list(row[: 5 - i % 2]) for i, row in enumerate(train_x)]
+    with pytest.raises(TypeError, match=r"data: train_x is not an array or tensor \(list: .*inhomogeneous"):
+        api.source_from((ragged, train_y, test_x, test_y))
+    test = _Pairs(test_x, test_y)
+    with pytest.raises(ValueError, match=r"data: train dataset item 1 has x of shape \(4,\), item 0 of shape \(5,\)"):
+        api.source_from((_Pairs([np.asarray(r) for r in ragged], train_y), test))
+    for labels, dtype in ((train_y + 0.7, "float64"), (train_y.astype(str), "<U1")):
+        with pytest.raises(TypeError, match=rf"data: the train dataset's y must be a 1-d array of integer class ids, "
+                                            rf"got dtype {dtype}"):
+            api.source_from((_Pairs(train_x, labels), test))
+    with pytest.raises(TypeError, match=r"train dataset item 0 is not an \(x, y\) pair: a tuple of 3"):
+        api.source_from(([(train_x[0], 0, 0)], test))
+    source = api.source_from((_Pairs(train_x, torch.from_numpy(train_y)), test))  # tensor labels: as given
+    np.testing.assert_array_equal(source.train_y, train_y)
+
+
+def test_partition_indices_must_be_integers_not_masks():
+    data = _toy()
+    with pytest.raises(ValueError, match=r"partition\[0\] must hold integer sample indices; 2 of 2 are not "
+                                         r"\(e\.g\. 0\.9\)"):
+        api.overrides_for(data=data, partition=[np.array([0.9, 1.9]), np.array([2])])
+    mask = np.arange(300) < 150
+    with pytest.raises(TypeError, match=r"partition\[0\] is a boolean mask; partition takes index lists, not masks "
+                                        r"\(pass np\.flatnonzero\(mask\)"):
+        api.overrides_for(data=data, partition=[mask, ~mask])
+    with pytest.raises(TypeError, match=r"partition\[1\] must hold integer sample indices, got dtype <U1"):
+        api.overrides_for(data=data, partition=[[0], ["1"]])
+    assert api.overrides_for(data=data, partition=[np.array([0.0, 1.0]), [2]])[1] == "num_clients=2"  # whole floats
