@@ -140,3 +140,39 @@ def test_early_stopping_on_ray_equals_inline(ray_session):
     w_ray, rows_ray = run("engine=ray", "engine.num_workers=2", base=base)
     assert len(rows_inline) == 2 and rows_ray == rows_inline
     assert float((w_ray - w_inline).abs().max()) <= 1e-6
+
+
+def _takes_round_only(round):
+    return None
+
+
+@pytest.mark.parametrize(("answer", "shown"), [("no", r"a str \('no'\)"), ("False", r"a str \('False'\)"),
+                                               (torch.tensor([0.0, 1.0]), r"a Tensor \(tensor"), ([], r"a list \(\[\]\)"),
+                                               (1, r"a int \(1\)")])
+def test_a_callback_returning_other_than_true_false_or_none_is_refused_naming_it(answer, shown):
+    def says(round, metrics, model):
+        return answer
+
+    with pytest.raises(TypeError, match=rf"callback .*says returned {shown}.* after round 1; on_round_end must "
+                                        r"return True \(stop\), False or None \(go on\)"):
+        api.run([*SMALL, "rounds=2"], callbacks=[says])
+
+
+def test_true_false_and_none_are_the_answers():
+    answers = iter([None, False, np.False_, True])
+    result = api.run([*SMALL, "rounds=5"], callbacks=[lambda round, metrics, model: next(answers)])
+    assert len(result.history) == 4 and "stopped the run after round 4" in result.summary["stop_reason"]
+
+
+def test_a_callback_with_the_wrong_signature_is_refused_at_start_up():
+    calls = []
+
+    def counting(*args):
+        calls.append(args)
+
+    with pytest.raises(ConfigError, match=r"callbacks\[1\]: .*_takes_round_only\(round\) cannot be called as "
+                                          r"on_round_end\(round, metrics, model\): too many positional arguments"):
+        build(compose_config(*SMALL, "callbacks=['plugin_pkg.cb:never', 'tests.test_callbacks:_takes_round_only']"))
+    with pytest.raises(ConfigError, match=r"cannot be called as on_round_end"):
+        api.run(SMALL, callbacks=[counting, _takes_round_only])
+    assert calls == []  # refused before round 1's training, not after it

@@ -3,7 +3,8 @@
 A callback is ``on_round_end(round, metrics, model) -> bool | None``, called on the driver after each
 round's metrics row is written (``round`` 1-based as in metrics.jsonl, ``metrics`` a copy of the row,
 ``model`` the global model as an ``nn.Module`` with the round's weights: read it, do not train it). A
-true return stops the run after that round; the summary's ``stop_reason`` names the callback. It is
+True return stops the run after that round, False or None goes on, anything else (a string, a tensor)
+is refused naming the callback; its signature is checked at start-up; the summary's ``stop_reason`` names the callback. It is
 an object with an ``on_round_end`` method, or a function with that signature. From Python:
 ``api.run(..., callbacks=[fn, obj])``; in a config, ``callbacks`` is a list of import paths or of
 ``{_target_: mypkg.cb:StopAt, <argument>: <value>}`` (a class or function called with those
@@ -20,6 +21,7 @@ User callbacks keep their own state: a resumed run calls them from the checkpoin
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -123,6 +125,16 @@ def load_callbacks(items: Sequence[Any]) -> list[Callable[..., Any]]:
         if not callable(fn):
             raise PluginError(f"{key}: {describe(type(obj))} has no on_round_end(round, metrics, model) and is "
                               "not callable")
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):  # no signature to read (a builtin): it is called as it is
+            signature = None
+        if signature is not None:
+            try:
+                signature.bind(1, {}, None)
+            except TypeError as err:
+                raise PluginError(f"{key}: {_name(fn)}{signature} cannot be called as on_round_end(round, metrics, "
+                                  f"model): {err}") from None
         out.append(fn)
     return out
 
@@ -160,6 +172,11 @@ class RoundEnd:
         sim.eval_model.load(sim.server.weights.to(sim.eval_model.device))
         model = sim.eval_model.model
         for fn in self.callbacks:
-            if fn(int(row["round"]), dict(row), model):
+            answer = fn(int(row["round"]), dict(row), model)
+            if answer is None or answer is False or answer is np.False_:
+                continue
+            if answer is True or answer is np.True_:
                 return f"callback {_name(fn)} stopped the run after round {row['round']}"
+            raise TypeError(f"callback {_name(fn)} returned a {type(answer).__name__} ({answer!r:.60}) after round "
+                            f"{row['round']}; on_round_end must return True (stop), False or None (go on)")
         return None
