@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,13 +99,14 @@ class ClientUpdate:
         """Bytes of its tensors (what it weighs in a message)."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def problem(self, expected: Mapping[str, int]) -> str | None:
-        """Why this is not a contribution of the run, or None. ``expected``: the tensors the client half
-        always sends (name -> size): each present, flat, floating point and of its size; and every weight a
-        finite number >= 0. Shapes, dtypes and Python numbers only: nothing is read from a device."""
-        missing = sorted(set(expected) - set(self.tensors))
-        if missing:
-            return f"lacks tensors {missing}"
+    def problem(self, expected: Mapping[str, int], uploads: Collection[str] = ()) -> str | None:
+        """Why this is not a contribution of the run, or None. ``uploads``: the names the client half may send
+        (``ClientAlgorithm.uploads``): an update carrying none of them (a misnamed or dropped ``delta``)
+        would move nothing. ``expected``: the sizes of those whose size is known
+        (``contribution_sizes``): where present, flat, floating point and of that size. Every weight: a
+        finite number >= 0. Names, shapes, dtypes and Python numbers only: nothing is read from a device."""
+        if uploads and not set(uploads) & set(self.tensors):
+            return f"carries none of its uploads {sorted(uploads)} (it sends {sorted(self.tensors)})"
         wrong = [f"{k!r}: shape {tuple(t.shape)} {t.dtype}, expected ({expected[k]},) floating point"
                  for k, t in sorted(self.tensors.items()) if k in expected
                  and (tuple(t.shape) != (expected[k],) or not t.is_floating_point())]

@@ -195,7 +195,7 @@ class _Silent(FedAvgServer):
 
 
 @pytest.mark.parametrize(("mode", "message"), [
-    ("missing", "client 0's update in round 1 lacks tensors ['delta']"),
+    ("missing", "client 0's update in round 1 carries none of its uploads ['delta'] (it sends ['dleta'])"),
     ("int", "wrong tensors 'delta': shape"),
     ("short", "wrong tensors 'delta': shape"),
     ("nan weight", "weights {'n': nan} must be finite numbers >= 0"),

@@ -24,7 +24,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from omegaconf import OmegaConf
 
 from fl_platform.algorithms.registry import get_algorithm
-from fl_platform.compression.uplink import contribution_sizes
+from fl_platform.compression.uplink import contribution_sizes, uploads_of
 from fl_platform.core import Broadcast, ClientUpdate, Metrics, RoundContext
 from fl_platform.experiment import build, load_data, make_setup, run_experiment
 from fl_platform.flower import config as fc
@@ -456,7 +456,8 @@ def test_replies_every_client_could_agree_on_are_still_checked_against_the_run(c
     initial = server.weights.clone()
     client = get_algorithm("fedavg").client(setup.algorithm_conf, alg_setup)
     strategy = AlgorithmStrategy(server, seed=cfg.seed, num_rounds=1, num_clients=n, clients_per_round=n,
-                                 deploy=fc.from_run_config(rc)[1], expected_sizes=contribution_sizes(client, fm))
+                                 deploy=fc.from_run_config(rc)[1], expected_sizes=contribution_sizes(client, fm),
+                                 uploads=uploads_of(client))
     strategy.connect(grid)
     good: dict[int, ClientUpdate] = {}
 
@@ -487,7 +488,7 @@ def test_replies_every_client_could_agree_on_are_still_checked_against_the_run(c
     text = caplog.text
     assert f"client 0 rejected: wrong tensors 'delta': shape ({len(fm)}, 1)" in text
     assert "client 1 rejected: wrong tensors 'delta': shape" in text and "torch.int32" in text
-    assert "client 2 rejected: lacks tensors ['delta']" in text
+    assert "client 2 rejected: carries none of its uploads ['delta'] (it sends [])" in text
     assert "client 3 rejected: weights {'n': -1000000.0} must be finite numbers >= 0" in text
     assert "client 4 rejected: malformed reply: metric 'test_accuracy' is a column the server writes" in text
 

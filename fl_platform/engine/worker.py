@@ -97,8 +97,8 @@ class Worker:
         self.uplink = make_uplink(setup.compressor, self.fm, self.client)  # None: uplinks travel dense
         # What every update must hold (ClientUpdate.problem): a plug-in's update without its delta made each
         # round a silent no-op, an integer one was folded in, one of another size failed in the server step.
-        declared = uploads_of(self.client)
-        self.expected = {k: n for k, n in contribution_sizes(self.client, self.fm).items() if k in declared}
+        self.uploads = tuple(uploads_of(self.client))
+        self.expected = {k: n for k, n in contribution_sizes(self.client, self.fm).items() if k in self.uploads}
         # Client-level DP (fl_platform/privacy): clip (and under local DP, noise) each update before its
         # compression; None for privacy=none.
         self.privacy = make_client_privacy(setup.privacy, self.spec, setup.algorithm_conf)
@@ -261,16 +261,16 @@ class Worker:
         if self.uplink is not None:  # the compressor's state (ef.*) is not the algorithm's
             state, own = self.uplink.split_state(state)
         try:
-            if self._pending is not None:
+            if self._pending is not None:  # (the platform's vectorised step; a summed chunk's updates carry none)
                 update = self._cohort_update(cid)
             else:
                 update = self.client.train(ctx, cid, bc, state, self.client_data(cid), self.trainer)
-            if not isinstance(update, ClientUpdate):
-                raise TypeError(f"{self.spec.name}: the client half's train returned {type(update).__name__}, not a "
-                                "ClientUpdate")
-            why = update.problem(self.expected)
-            if why:
-                raise ValueError(f"{self.spec.name}: client {cid}'s update in round {ctx.round + 1} {why}")
+                if not isinstance(update, ClientUpdate):
+                    raise TypeError(f"{self.spec.name}: the client half's train returned {type(update).__name__}, "
+                                    "not a ClientUpdate")
+                why = update.problem(self.expected, self.uploads)
+                if why:
+                    raise ValueError(f"{self.spec.name}: client {cid}'s update in round {ctx.round + 1} {why}")
             if not update.is_finite():
                 raise NonFiniteError(f"client {cid} in round {ctx.round + 1}: its update contains NaN/inf")
         except NonFiniteError as err:

@@ -144,8 +144,8 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
                                       secret_seed=sampling_seed is not None)
         strategy = AlgorithmStrategy(server, seed=cfg.seed, num_rounds=cfg.rounds, num_clients=cfg.num_clients,
                                      clients_per_round=cfg.clients_per_round, deploy=deploy,
-                                     expected_sizes=expected, codec=PayloadCodec(uplink) if uplink is not None else None,
-                                     privacy=privacy)
+                                     expected_sizes=expected, uploads=declared,
+                                     codec=PayloadCodec(uplink) if uplink is not None else None, privacy=privacy)
         strategy.summary()
         strategy.connect(grid)
         loop = LoopConfig(seed=cfg.seed, rounds=cfg.rounds, clients_per_round=cfg.clients_per_round,

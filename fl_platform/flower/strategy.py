@@ -77,13 +77,14 @@ class AlgorithmStrategy(Strategy):
     def __init__(self, server: ServerAlgorithm, *, seed: int, num_rounds: int, num_clients: int,
                  clients_per_round: int, deploy: DeployConf | None = None,
                  expected_sizes: dict[str, int] | None = None, codec: PayloadCodec | None = None,
-                 privacy: Any = None) -> None:
+                 privacy: Any = None, uploads: Iterable[str] = ()) -> None:
         self.server = server
         self.codec = codec  # decodes compressed uplinks (None: the run has no compressor)
         # fl_platform.privacy.server.ServerPrivacy (None: no DP): under central DP every decoded reply is
         # clipped to the round's C here, whatever the client did; the noise is the round loop's.
         self.privacy = privacy
         self.expected_sizes = dict(expected_sizes or {})  # name -> numel a valid contribution tensor has
+        self.uploads = tuple(uploads)  # the names a reply may carry (ClientAlgorithm.uploads); () = not checked
         self.seed = seed
         self.num_rounds = num_rounds
         self.num_clients = num_clients
@@ -322,8 +323,9 @@ class AlgorithmStrategy(Strategy):
         DP the private ones) are checked even when every reply of the round agrees (one sampled client):
         the consensus alone accepted a delta of another shape (the server step crashed) or none at all (a
         silent no-op round)."""
+        sent = set(self.uploads) if self.privacy is None else set(self.uploads) & set(self.privacy.private.tensors)
         return update.problem({k: n for k, n in self.expected_sizes.items()
-                               if self.privacy is None or k in self.privacy.private.tensors})
+                               if self.privacy is None or k in self.privacy.private.tensors}, sorted(sent))
 
     def unpack(self, ctx: RoundContext, update: ClientUpdate, reply: Message) -> None:
         """Decode the compressed payloads of a reply into ``update.tensors`` (see payloads.py)."""

@@ -186,4 +186,5 @@ def _batchnorm_count(model: nn.Module, name: str) -> bool:
     """Whether ``name`` is a BatchNorm's ``num_batches_tracked`` (BatchNorm fills it in when a state_dict lacks it)."""
     owner, _, attr = name.rpartition(".")
     module = model.get_submodule(owner)
-    return attr == "num_batches_tracked" and isinstance(module, nn.modules.batchnorm._BatchNorm)
+    return attr == "num_batches_tracked" and isinstance(module, nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d
+                                                          | nn.SyncBatchNorm)
