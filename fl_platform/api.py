@@ -132,8 +132,13 @@ def run_config(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -
     """Run a composed config (what the CLI calls after Hydra composed it); ``execute`` reads it at the door
     (fl_platform/run_config.py) and checks it (fl_platform/config_checks.py)."""
     from fl_platform.experiment import execute
+    from fl_platform.rounds.checkpoint import rng_state, set_rng_state
 
-    outcome = execute(cfg, run_dir)
+    caller = rng_state()  # the run seeds torch's (and CUDA's) global RNG from its own seed: the caller's goes on after
+    try:
+        outcome = execute(cfg, run_dir)
+    finally:
+        set_rng_state(caller)
     return Result(outcome.summary, outcome.history, cfg, Path(run_dir) if run_dir is not None else None,
                   outcome.model)
 

@@ -272,3 +272,19 @@ def test_partition_indices_must_be_integers_not_masks():
     with pytest.raises(TypeError, match=r"partition\[1\] must hold integer sample indices, got dtype <U1"):
         api.overrides_for(data=data, partition=[[0], ["1"]])
     assert api.overrides_for(data=data, partition=[np.array([0.0, 1.0]), [2]])[1] == "num_clients=2"  # whole floats
+
+
+def test_a_run_leaves_the_callers_random_streams_where_they_were():
+    """The run seeds torch's global RNG from its own seed (the model's initialisation): a notebook's own
+    draws after api.run went on from the run's seed, not from where the caller had left them."""
+    import random
+
+    def draws() -> tuple:
+        return torch.rand(3).tolist(), np.random.rand(2).tolist(), random.random()
+
+    torch.manual_seed(123), np.random.seed(4), random.seed(5)
+    expected = draws()
+    torch.manual_seed(123), np.random.seed(4), random.seed(5)
+    api.run(["dataset=digits", "num_clients=3", "clients_per_round=3", "rounds=1", "train.epochs=1",
+             "logger.progress=false"])
+    assert draws() == expected
