@@ -57,14 +57,19 @@ def class_ids(values: object, where: str) -> np.ndarray:
     if y.ndim != 1:
         raise ValueError(f"{where}: labels must be a 1-d array of class ids, got shape {y.shape}")
     if y.dtype.kind == "f":
-        bad = y != np.round(y)  # NaN != NaN: refused too
-        if bad.any():
-            raise ValueError(f"{where}: labels must be integer class ids; {int(bad.sum())} of {len(y)} are not "
-                             f"(e.g. {y[bad][0]})")
+        refuse_fractions(y, f"{where}: labels must be integer class ids")
     elif y.dtype.kind not in "biu":
         raise ValueError(f"{where}: labels must be integer class ids, got dtype {y.dtype}"
                          + (f" (e.g. {y[:1].tolist()[0]!r})" if len(y) else ""))
-    return y.astype(np.int64)
+    return y.astype(np.int64, copy=False)
+
+
+def refuse_fractions(values: np.ndarray, rule: str) -> None:
+    """Refuse float ``values`` that are not whole numbers (NaN included: NaN != NaN), never cutting 3.7 to
+    3; ``rule`` says what they must be ("labels must be integer class ids")."""
+    bad = values != np.round(values)
+    if bad.any():
+        raise ValueError(f"{rule}; {int(bad.sum())} of {values.size} are not (e.g. {values[bad][0]})")
 
 
 def uint8_pixels(data: np.ndarray, where: str) -> np.ndarray:

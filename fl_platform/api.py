@@ -34,7 +34,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from fl_platform.algorithms.base import AlgorithmSpec
-from fl_platform.datasets.source import SourceData, check_test_classes
+from fl_platform.datasets.source import SourceData, check_test_classes, refuse_fractions
 
 __all__ = ["Result", "compose", "overrides_for", "run", "run_config", "source_from"]
 
@@ -228,10 +228,7 @@ def _indices(ix: Any, client: int) -> np.ndarray:
         return a.astype(np.int64)
     if a.dtype.kind != "f":
         raise TypeError(f"{where} must hold integer sample indices, got dtype {a.dtype} (e.g. {a[0]!r})")
-    bad = a != np.round(a)  # NaN too
-    if bad.any():
-        raise ValueError(f"{where} must hold integer sample indices; {int(bad.sum())} of {a.size} are not "
-                         f"(e.g. {a[bad][0]})")
+    refuse_fractions(a, f"{where} must hold integer sample indices")
     return a.astype(np.int64)
 
 

@@ -463,7 +463,7 @@ class DataFreeServer(SynthesisServer):
                 kl = kl * (s.argmax(1) != t.argmax(1)).float()
             loss = cfg.lambda_oh * ce.mean() + cfg.lambda_bn * loss_bn - cfg.lambda_adv * kl.mean()
             cost = loss.detach()
-            if best_cost is None or best_x is None:  # the first step's batch, whatever its loss (NaN included)
+            if best_cost is None:  # the first step's batch, whatever its loss (NaN included)
                 best_cost, best_x = cost, x.detach().clone()
             else:
                 better = cost < best_cost

@@ -225,6 +225,14 @@ def contribution_sizes(client: Any, fm: FlatModel) -> dict[str, int]:
     return dict(declared()) if callable(declared) else {"delta": len(fm)}
 
 
+def declared_sizes(client: Any, fm: FlatModel) -> dict[str, int]:
+    """``contribution_sizes`` of the tensors the client half declares it uploads (``uploads_of``): what an
+    update is checked against (``ClientUpdate.problem``); a size of a tensor it never sends (FuseFL's default
+    ``delta``) is left out."""
+    uploads = uploads_of(client)
+    return {k: n for k, n in contribution_sizes(client, fm).items() if k in uploads}
+
+
 def make_uplink(conf: Any, fm: FlatModel, client: Any) -> UplinkCompression | None:
     """The worker's uplink hook for ``conf`` (None for no compressor)."""
     if conf is None or conf_of(conf).name == "none":

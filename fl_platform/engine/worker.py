@@ -27,7 +27,7 @@ import torch
 
 from fl_platform.algorithms.base import FedAvgCohort, ServerAlgorithm
 from fl_platform.algorithms.registry import get_algorithm
-from fl_platform.compression.uplink import contribution_sizes, make_uplink, uploads_of
+from fl_platform.compression.uplink import declared_sizes, make_uplink, uploads_of
 from fl_platform.core import Aggregate, Broadcast, ClientUpdate, Metrics, RoundContext
 from fl_platform.engine.scheduler import work_units
 from fl_platform.engine.timing import DeviceClock
@@ -98,7 +98,7 @@ class Worker:
         # What every update must hold (ClientUpdate.problem): a plug-in's update without its delta made each
         # round a silent no-op, an integer one was folded in, one of another size failed in the server step.
         self.uploads = tuple(uploads_of(self.client))
-        self.expected = {k: n for k, n in contribution_sizes(self.client, self.fm).items() if k in self.uploads}
+        self.expected = declared_sizes(self.client, self.fm)
         # Client-level DP (fl_platform/privacy): clip (and under local DP, noise) each update before its
         # compression; None for privacy=none.
         self.privacy = make_client_privacy(setup.privacy, self.spec, setup.algorithm_conf)

@@ -28,7 +28,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fl_platform.algorithms.registry import get_algorithm
-from fl_platform.compression.uplink import contribution_sizes, make_uplink, uploads_of
+from fl_platform.compression.uplink import contribution_sizes, declared_sizes, make_uplink, uploads_of
 from fl_platform.flower.config import DeployConf, from_run_config, to_toml
 from fl_platform.flower.payloads import PayloadCodec
 from fl_platform.flower.strategy import AlgorithmStrategy, FlowerEngine
@@ -128,8 +128,6 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
         client_half = spec.client(setup.algorithm_conf, alg_setup)  # what its replies look like
         uplink = make_uplink(setup.compressor, eval_model, client_half)
         sizes = contribution_sizes(client_half, eval_model)
-        declared = uploads_of(client_half)  # (the sizes of tensors it never sends, e.g. FuseFL's, are not expected)
-        expected = {k: n for k, n in sizes.items() if k in declared}
         if ckpt is not None:
             refuse_lost_node_state(ckpt, {**client_half.state_spec(), **(uplink.state_spec() if uplink else {})},
                                    cfg.algorithm_name)
@@ -144,7 +142,8 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], run_id: int = 0,
                                       secret_seed=sampling_seed is not None)
         strategy = AlgorithmStrategy(server, seed=cfg.seed, num_rounds=cfg.rounds, num_clients=cfg.num_clients,
                                      clients_per_round=cfg.clients_per_round, deploy=deploy,
-                                     expected_sizes=expected, uploads=declared,
+                                     expected_sizes=declared_sizes(client_half, eval_model),
+                                     uploads=uploads_of(client_half),
                                      codec=PayloadCodec(uplink) if uplink is not None else None, privacy=privacy)
         strategy.summary()
         strategy.connect(grid)

@@ -83,8 +83,11 @@ class AlgorithmStrategy(Strategy):
         # fl_platform.privacy.server.ServerPrivacy (None: no DP): under central DP every decoded reply is
         # clipped to the round's C here, whatever the client did; the noise is the round loop's.
         self.privacy = privacy
-        self.expected_sizes = dict(expected_sizes or {})  # name -> numel a valid contribution tensor has
-        self.uploads = tuple(uploads)  # the names a reply may carry (ClientAlgorithm.uploads); () = not checked
+        # What a reply is checked against (ClientUpdate.problem): the names it may carry (ClientAlgorithm.uploads;
+        # () = not checked) and the sizes of those whose size is known; under DP only the private ones travel.
+        private = None if privacy is None else set(privacy.private.tensors)
+        self.uploads = tuple(k for k in uploads if private is None or k in private)
+        self.expected_sizes = {k: n for k, n in (expected_sizes or {}).items() if private is None or k in private}
         self.seed = seed
         self.num_rounds = num_rounds
         self.num_clients = num_clients
@@ -318,14 +321,10 @@ class AlgorithmStrategy(Strategy):
                             bytes_up=bytes_up, bytes_down=plan.bytes_down, rejected=rejected)
 
     def unexpected(self, update: ClientUpdate) -> str | None:
-        """Why a decoded reply is not a contribution of this run (``ClientUpdate.problem``), or None. The
-        tensors the client half always sends (``expected_sizes``: declared sizes of declared uploads; under
-        DP the private ones) are checked even when every reply of the round agrees (one sampled client):
-        the consensus alone accepted a delta of another shape (the server step crashed) or none at all (a
-        silent no-op round)."""
-        sent = set(self.uploads) if self.privacy is None else set(self.uploads) & set(self.privacy.private.tensors)
-        return update.problem({k: n for k, n in self.expected_sizes.items()
-                               if self.privacy is None or k in self.privacy.private.tensors}, sorted(sent))
+        """Why a decoded reply is not a contribution of this run (``ClientUpdate.problem``), or None. Checked
+        even when every reply of the round agrees (one sampled client): the consensus alone accepted a delta
+        of another shape (the server step crashed) or none at all (a silent no-op round)."""
+        return update.problem(self.expected_sizes, self.uploads)
 
     def unpack(self, ctx: RoundContext, update: ClientUpdate, reply: Message) -> None:
         """Decode the compressed payloads of a reply into ``update.tensors`` (see payloads.py)."""

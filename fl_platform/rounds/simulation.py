@@ -85,7 +85,7 @@ def server_metrics(server: Any, out: Any) -> dict[str, float]:
                         f"{type(out).__name__}")
     row: dict[str, float] = {}
     for key, value in out.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() == 0:
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
             value = value.item()
         if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{name}.aggregate returned {key!r}: {type(value).__name__}; metrics must be numbers "
