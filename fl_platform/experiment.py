@@ -178,6 +178,9 @@ def build(cfg: DictConfig | RunConfig, run_dir: Path | str | None = None, report
             and (inline or engine_conf.state_dir_shared)):
         setup.state_options["directory"] = str(rd.path / "client_state")
     if rd is not None:
+        if ckpt is None or ckpt.round < run.rounds:  # rounds to train: an earlier run's results are not this one's
+            for stale in (rd.summary, rd.model):
+                stale.unlink(missing_ok=True)
         atomic_write_text(rd.config, run.to_yaml())
         data.partition.save(rd.partition)
     eval_device = engine_conf.eval_device

@@ -1,7 +1,8 @@
 """Command line: ``python -m fl_platform.run key=value ...`` (or the ``fl-run`` console script).
 
 One experiment per call; ``-m`` runs a Hydra sweep, one run directory per job. The last line
-printed is ``run_dir: <path>``; a failed run exits non-zero with the reason on stderr. Hydra
+printed is ``run_dir: <path>``; a failed run exits non-zero with the reason on stderr (in a sweep,
+a failed job is recorded as failed and the other jobs run: docs/sweeps.md). Hydra
 composes the config and picks the run directory; the run itself is ``fl_platform.api.run_config``,
 what ``fl_platform.api.run`` calls from Python.
 """
@@ -15,6 +16,8 @@ import sys
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.plugins import Plugins
+from hydra.errors import CompactHydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from fl_platform.config import register_configs
@@ -27,10 +30,24 @@ register_configs()
 Plugins.instance().register(importlib.import_module("hydra_plugins.fl_platform_launcher.ray_cluster").RayClusterLauncher)
 
 
+class JobFailed(CompactHydraException):
+    """A sweep's job that failed. Hydra records it as failed and goes on with the other jobs (an exit
+    would end the whole sweep); the sweep then exits non-zero with this message, without a traceback.
+    ``reason``: the run's error, for a launcher's own report (ray_cluster)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 def _fail(err: BaseException) -> None:
-    print(f"error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+    reason = f"{type(err).__name__}: {err}"
+    print(f"error: {reason}", file=sys.stderr, flush=True)
     if logging.getLogger().isEnabledFor(logging.DEBUG):
         raise err
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:
+        raise JobFailed(f"error: job #{hc.job.num} ({' '.join(hc.overrides.task)}) failed: {reason}", reason) from None
     sys.exit(1)
 
 

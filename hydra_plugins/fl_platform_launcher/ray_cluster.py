@@ -16,7 +16,6 @@ CPUs for the jobs running side by side and their workers (each job task holds ``
 
 # No ``from __future__ import annotations``: Hydra imports plugin modules without registering them
 # in sys.modules, where dataclasses would look up string annotations.
-import contextlib
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -74,20 +73,6 @@ def _write_tree(root: Path, files: dict[str, bytes]) -> int:
     return written
 
 
-class _Tee:
-    """A text stream that writes through to ``stream`` and keeps the lines (a failed job's reason)."""
-
-    def __init__(self, stream: Any, lines: list[str]) -> None:
-        self.stream, self.lines = stream, lines
-
-    def write(self, text: str) -> int:
-        self.lines.extend(text.splitlines())
-        return self.stream.write(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-
 def _run_job(hydra_context: HydraContext, task_function: TaskFunction, sweep_config: DictConfig,
              singleton_state: dict[Any, Any], driver_node: str | None,
              ) -> tuple[JobReturn, str, str, dict[str, bytes] | None]:
@@ -99,17 +84,8 @@ def _run_job(hydra_context: HydraContext, task_function: TaskFunction, sweep_con
     setup_globals()
     Singleton.set_state(singleton_state)
     HydraConfig.instance().set_config(sweep_config)
-
-    def task(cfg: DictConfig) -> Any:
-        lines: list[str] = []
-        with contextlib.redirect_stderr(_Tee(sys.stderr, lines)):
-            try:
-                return task_function(cfg)
-            except SystemExit as err:  # the CLI exits non-zero on a failed run; here that is a failed job
-                reason = next((line for line in reversed(lines) if line.startswith("error:")), "")
-                raise RuntimeError(f"exited with status {err.code}{': ' + reason if reason else ''}") from None
-
-    ret = run_job(hydra_context=hydra_context, task_function=task, config=sweep_config,
+    # (a failed run raises fl_platform.run.JobFailed in a sweep: run_job records the job as failed)
+    ret = run_job(hydra_context=hydra_context, task_function=task_function, config=sweep_config,
                   job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
     subdir = str(sweep_config.hydra.sweep.subdir)
     files = None
@@ -189,7 +165,8 @@ class RayClusterLauncher(Launcher):
         finally:
             if owns:
                 ray.shutdown()
-        failed = [f"#{r.hydra_cfg.hydra.job.num} ({' '.join(r.overrides)}): {r._return_value}"
+        failed = [f"#{r.hydra_cfg.hydra.job.num} ({' '.join(r.overrides)}): "
+                  f"{getattr(r._return_value, 'reason', '') or r._return_value}"
                   for r in results if r.status == JobStatus.FAILED] + crashed
         if failed:  # each job printed its own reason above; the sweep's exit status says it failed
             sys.exit(f"error: {len(failed)} of {len(refs)} jobs failed: " + "; ".join(failed))
