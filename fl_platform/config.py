@@ -326,13 +326,24 @@ class EngineConf:
     deterministic: bool = False
 
 
+#: ``logger.wandb_mode``: what ``wandb.init(mode=...)`` takes.
+WANDB_MODES = ("online", "offline", "disabled", "shared")
+
+
 @dataclass
 class LoggerConf:
     progress: bool = True
     wandb: bool = False
     wandb_project: str = "fl_platform"
     wandb_mode: str = "offline"  # offline needs no network and no API key
-    log_every: int = 1
+    log_every: int = 1  # a log line every k rounds (and the last one)
+
+    def inactive_fields(self) -> dict[str, str]:
+        """Fields the other settings make inert (field -> why); the config check refuses them set."""
+        if self.wandb:
+            return {}
+        return dict.fromkeys(("wandb_project", "wandb_mode"), "a wandb setting, and logger.wandb=false "
+                             "(use logger=wandb)")
 
 
 class EvalClients(StrEnum):

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from fl_platform.config import OPEN_OPTIONS, EngineConf, EvalConf
+from fl_platform.config import OPEN_OPTIONS, WANDB_MODES, EngineConf, EvalConf, LoggerConf
 from fl_platform.rounds.callbacks import EarlyStopConf, load_callbacks
 from fl_platform.run_config import RunConfig, plain
 from fl_platform.training.loop import TrainConfig
@@ -80,8 +80,9 @@ def check_run(run: RunConfig) -> None:
     from fl_platform.state.store import STORE_KINDS
     from fl_platform.training.vectorised import parse_cohort_size
 
-    train, engine = run.train, run.engine
+    train, engine, logger = run.train, run.engine, run.logger
     checks = [
+        (run.seed >= 0, "seed", f"must be >= 0, got {run.seed}"),
         (run.rounds >= 1, "rounds", f"must be >= 1, got {run.rounds}"),
         (run.num_clients >= 1, "num_clients", f"must be >= 1, got {run.num_clients}"),
         (1 <= run.clients_per_round <= run.num_clients, "clients_per_round",
@@ -116,6 +117,9 @@ def check_run(run: RunConfig) -> None:
          or (engine.state_store == "distributed" and engine.state_backend == "disk"), "engine.state_fsync",
          f"needs client-state files (engine.state_store=disk, or distributed with state_backend=disk); got "
          f"state_store={engine.state_store}, state_backend={engine.state_backend}"),
+        (logger.log_every >= 1, "logger.log_every", f"must be >= 1, got {logger.log_every}"),
+        (logger.wandb_mode in WANDB_MODES, "logger.wandb_mode",
+         f"must be one of {', '.join(WANDB_MODES)}; got {logger.wandb_mode!r}"),
     ]
     try:
         parse_cohort_size(engine.cohort_size)
@@ -129,6 +133,7 @@ def check_run(run: RunConfig) -> None:
     checks += [(False, f"early_stop.{key}", why) for key, why in early.problems()]
     _raise_first(checks)
     refuse_inactive("early_stop", early, EarlyStopConf(), early.inactive_fields())
+    refuse_inactive("logger", logger, LoggerConf(), logger.inactive_fields())
     check_keys_and_plugins(run)
     check_effective(run)
     check_eval(run)

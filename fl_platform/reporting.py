@@ -27,7 +27,8 @@ class Reporter:
                  wandb_project: str = "fl_platform", wandb_mode: str = "offline",
                  run_dir: str | None = None, config: dict[str, Any] | None = None,
                  name: str | None = None, log_every: int = 1, start_round: int = 0) -> None:
-        self.log_every = max(1, log_every)
+        self.log_every = log_every  # a log line every k rounds and the last (check_run: k >= 1)
+        self.total_rounds = total_rounds
         self._progress = None
         self._task = None
         self._wandb = None
@@ -56,7 +57,7 @@ class Reporter:
             status += f"  test acc {acc:.4f}"
         if self._progress is not None:
             self._progress.update(self._task, advance=1, status=status)
-        if row["round"] % self.log_every == 0 or acc is not None:
+        if row["round"] % self.log_every == 0 or row["round"] == self.total_rounds:
             log.info("round %d: %s", row["round"], status)
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in row.items() if isinstance(v, int | float) and v is not None},

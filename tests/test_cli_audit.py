@@ -5,15 +5,43 @@ job fails."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
+from fl_platform.config_checks import ConfigError, check_run
 from fl_platform.experiment import build, execute
+from fl_platform.reporting import Reporter
+from fl_platform.run_config import read_config
 
 from .conftest import compose_config
 from .test_cli import run_cli
 
 TINY = ("rounds=1", "num_clients=4", "clients_per_round=2", "train.epochs=1", "model.hidden=[8]")
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (["seed=-1"], "seed must be >= 0, got -1"),
+    (["logger.log_every=0"], "logger.log_every must be >= 1, got 0"),
+    (["logger=wandb", "logger.wandb_mode=onlinex"], "logger.wandb_mode must be one of online, offline"),
+    (["logger.wandb_project=mine"], "logger.wandb_project='mine' has no effect in this run: a wandb setting, and "
+                                    "logger.wandb=false"),
+    (["logger.wandb_mode=online"], "logger.wandb_mode='online' has no effect in this run"),
+])
+def test_logger_and_seed_values_are_checked_at_start_up(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        check_run(read_config(compose_config(*TINY, *overrides)))
+    assert expected in str(err.value)
+
+
+def test_log_every_thins_the_round_lines_even_when_every_round_is_evaluated(caplog):
+    reporter = Reporter(5, progress=False, log_every=2)
+    with caplog.at_level(logging.INFO, logger="fl_platform"):
+        for r in range(1, 6):
+            reporter.round_done({"round": r, "train_loss": 0.5, "test_accuracy": 0.9})
+    reporter.close()
+    logged = [m.getMessage().split(":")[0] for m in caplog.records if m.getMessage().startswith("round ")]
+    assert logged == ["round 2", "round 4", "round 5"]  # every 2nd, and the last
 
 
 def test_a_new_run_in_an_old_run_dir_removes_that_runs_summary_and_model(tmp_path):
