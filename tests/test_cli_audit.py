@@ -8,13 +8,16 @@ import json
 import logging
 
 import pytest
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 
 from fl_platform.config_checks import ConfigError, check_run
 from fl_platform.experiment import build, execute
 from fl_platform.reporting import Reporter
 from fl_platform.run_config import read_config
 
-from .conftest import compose_config
+from .conftest import CONF_DIR, compose_config
 from .test_cli import run_cli
 
 TINY = ("rounds=1", "num_clients=4", "clients_per_round=2", "train.epochs=1", "model.hidden=[8]")
@@ -42,6 +45,22 @@ def test_log_every_thins_the_round_lines_even_when_every_round_is_evaluated(capl
     reporter.close()
     logged = [m.getMessage().split(":")[0] for m in caplog.records if m.getMessage().startswith("round ")]
     assert logged == ["round 2", "round 4", "round 5"]  # every 2nd, and the last
+
+
+@pytest.mark.parametrize("cosmetic", [["logger=wandb"], ["logger.progress=true", "logger.log_every=5"]])
+def test_the_resumable_run_dir_ignores_the_logger_settings(cosmetic):
+    """Rerunning an interrupted command with the logger changed (logger=wandb to watch it) finds its checkpoint,
+    as docs/engine.md says ("ignoring resume and logger.*"), instead of starting over in another folder."""
+    def run_dir(*extra: str) -> str:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=["checkpoint_every=1", *extra], return_hydra_config=True)
+            return str(cfg.hydra.run.dir)
+
+    GlobalHydra.instance().clear()
+    try:
+        assert run_dir(*cosmetic) == run_dir() != run_dir("seed=1")
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def test_a_new_run_in_an_old_run_dir_removes_that_runs_summary_and_model(tmp_path):
