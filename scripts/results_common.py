@@ -563,7 +563,9 @@ def verdict(claim: PaperClaim, ours: Interval | None, against: str | None = None
     else:
         only = f"; against {against} only: {', '.join(others)} untested" if others else ""
     if ours.sign == claim.direction:
-        return "direction only", "our interval excludes 0 on the paper's side" + (
+        at = (f" at {claim.budget:.0%} of the paper's budget" + (f" ({claim.budget_of})" if claim.budget_of else "")
+              if claim.budget < 1 else "")
+        return "direction only", f"our interval excludes 0 on the paper's side{at}" + (
             "; the paper's number is not in the specs, so the magnitude cannot be compared" if claim.number is None
             else "; the settings differ too much to compare magnitudes") + only
     if claim.budget < 1:
@@ -875,6 +877,7 @@ def tuning_table(s: Setting, cells: dict[str, dict[int, Run]], labels: dict[str,
         win = s.chosen.get(a)
         combo_of = dict(s.tuning.points(a))  # values -> override tuple
         win_values = next((v for v, c in combo_of.items() if c == win), None)
+        at_edge = grid_edges(s, a)
         others = list(grid)[1:]
         for rest in itertools.product(*(grid[k] for k in others)):
             cells_row = []
@@ -889,10 +892,19 @@ def tuning_table(s: Setting, cells: dict[str, dict[int, Run]], labels: dict[str,
             name = labels.get(a, a) + "".join(f", {k} = {x:g}" for k, x in zip(others, rest))
             edge = "-"
             if win_values is not None and tuple(rest) == win_values[1:]:
-                at_edge = [k for k, x in zip(grid, win_values) if len(grid[k]) > 1 and x in (min(grid[k]), max(grid[k]))]
                 edge = " ".join(win) + (f" (at the grid's edge in {', '.join(at_edge)})" if at_edge else "")
             table.append([name, *cells_row, edge])
     return md_table(["algorithm", *(f"{key} = {v:g}" for v in columns), "chosen"], table)
+
+
+def grid_edges(s: Setting, algorithm: str) -> list[str]:
+    """The keys of ``algorithm``'s grid (of more than one value) whose chosen value is the grid's least or
+    greatest: the grid may not hold that key's best value, so the row counts as not tuned (untuned_reason)."""
+    if s.tuning is None or algorithm not in s.tuning.grids or algorithm not in s.chosen:
+        return []
+    grid = s.tuning.grids[algorithm]
+    values = next(v for v, c in s.tuning.points(algorithm) if c == s.chosen[algorithm])
+    return [k for k, x in zip(grid, values) if len(grid[k]) > 1 and x in (min(grid[k]), max(grid[k]))]
 
 
 # ----------------------------------------------------------------------------- document sections
@@ -1171,12 +1183,19 @@ def _prefix_check(short: dict[int, Run], long: dict[int, Run]) -> str:
 def untuned_reason(s: Setting, *tags: str) -> str:
     """Why the rows ``tags`` are not all tuned on a validation split ("" when they are: ``Row.tuned``). A GPU
     preset's rows run the paper's own hyper-parameters, so their comparison is the paper's: "" too."""
-    untuned = [s.row(t).label for t in tags if s.row(t) is not None and not s.row(t).tuned]
-    if not untuned or s.preset is not None:
+    if s.preset is not None:
         return ""
-    lrs = sorted({resolved(s.overrides_of(s.row(t))).get("train.lr", "?") for t in tags if s.row(t) is not None})
-    return (f"{' and '.join(untuned)} not tuned (learning rate {', '.join(lrs)} set by hand, the same for every "
-            "method; no validation-split tuning)")
+    rows = [s.row(t) for t in tags if s.row(t) is not None]
+    untuned = [r.label for r in rows if not r.tuned]
+    # the learning rate only: FedProx's mu grid is the issue's fixed {0.001, ..., 1}, and its least value sits
+    # next to FedAvg (mu = 0), a tuned row of its own
+    edges = [f"{r.label}'s {' '.join(s.winner(r.algorithm))} (at the grid's edge in train.lr: the grid may not "
+             "hold its best)" for r in rows if r.tuned and "train.lr" in grid_edges(s, r.algorithm)]
+    if untuned:
+        lrs = sorted({resolved(s.overrides_of(r)).get("train.lr", "?") for r in rows if not r.tuned})
+        edges.insert(0, f"{' and '.join(untuned)} not tuned (learning rate {', '.join(lrs)} set by hand, the same "
+                     "for every method; no validation-split tuning)")
+    return "; ".join(edges)
 
 
 def verdict_rows(s: Setting, cells: dict[str, dict[int, Run]], diffs: dict[str, Interval], tags: Sequence[str]

@@ -374,21 +374,28 @@ def left_out(other: list[int]) -> str:
 
 
 def accuracy_table(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> str:
+    """Each model's accuracy, and against one-shot FedAvg and the ensemble: the other's mean on the seeds of
+    the pair (where the pair leaves seeds out, this row's mean there too), then the paired difference."""
     ms = measures(s)
-    header = ["model", "seeds", "test accuracy (mean ± 95% CI)", "minus one-shot FedAvg (paired, 95% CI)", "reading",
+    header = ["model", "seeds", "test accuracy (mean ± 95% CI)", "one-shot FedAvg on the same seeds",
+              "minus one-shot FedAvg (paired, 95% CI)", "reading", "the ensemble on the same seeds",
               "minus the ensemble (paired, 95% CI)", "reading "]
     rows = []
     for m in (m for m in ms.values() if m.name not in LARGER):
         v = values(cells, s, m)
         if not v:
             continue
-        (a1, b1, o1), (a2, b2, o2) = pair(cells, s, m, ms["fedavg"]), pair(cells, s, m, ms["ensemble"])
-        d1, d2 = rc.paired(a1, b1), rc.paired(a2, b2)
-        rows.append([m.label, str(len(v)), rc.fmt_mean(rc.interval(list(v.values()))),
-                     "-" if m.name == "fedavg" else rc.fmt_diff(d1) + left_out(o1),
-                     "-" if m.name == "fedavg" else rc.reading(d1),
-                     "-" if m.name == "ensemble" else rc.fmt_diff(d2) + left_out(o2),
-                     "-" if m.name == "ensemble" else rc.reading(d2)])
+        row = [m.label, str(len(v)), rc.fmt_mean(rc.interval(list(v.values())))]
+        for base in ("fedavg", "ensemble"):
+            if m.name == base:
+                row += ["-", "-", "-"]
+                continue
+            a, b, other = pair(cells, s, m, ms[base])
+            d = rc.paired(a, b)
+            there = f" (this row there: {rc.fmt_mean(rc.interval(list(a.values())))})" if len(a) < len(v) else ""
+            row += [rc.fmt_mean(rc.interval(list(b.values()))) + there if b else "-", rc.fmt_diff(d) + left_out(other),
+                    rc.reading(d)]
+        rows.append(row)
     return rc.md_table(header, rows)
 
 
