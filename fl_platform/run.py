@@ -63,6 +63,11 @@ def main(cfg: DictConfig) -> float | None:
     except (ValueError, TypeError, KeyError, FileNotFoundError, RuntimeError, FloatingPointError) as err:
         _fail(err)
         return None
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback through the training loop; a sweep stops too
+        again = ("rerun the same command to continue after the last checkpoint" if cfg.checkpoint_every > 0
+                 else "no checkpoint was kept (checkpoint_every=0): a rerun starts over")
+        print(f"error: interrupted; {again} (run dir {run_dir})", file=sys.stderr, flush=True)
+        sys.exit(130)
     acc = summary.get("final_test_accuracy")
     best = summary.get("best_test_accuracy")
     result = f"final test accuracy: {acc:.4f} (best {best:.4f})" if acc is not None else "no evaluation"

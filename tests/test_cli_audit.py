@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import subprocess
+import sys
 
 import pytest
 from hydra import compose as hydra_compose
@@ -18,7 +21,7 @@ from fl_platform.reporting import Reporter
 from fl_platform.run_config import read_config
 
 from .conftest import CONF_DIR, compose_config
-from .test_cli import run_cli
+from .test_cli import REPO, cli_call, run_cli
 
 TINY = ("rounds=1", "num_clients=4", "clients_per_round=2", "train.epochs=1", "model.hidden=[8]")
 
@@ -84,3 +87,27 @@ def test_a_failed_job_does_not_stop_the_sweep_and_is_named_at_the_end(tmp_path):
     summaries = list(sweep.rglob("summary.json"))
     assert [p.parent.name for p in summaries] == ["1_fedavg_digits_s0"]
     assert json.loads(summaries[0].read_text())["rounds"] == 1
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_a_run_with_one_line_and_no_traceback(tmp_path):
+    """SIGINT mid-training: exit status 130, one ``error: interrupted`` line saying how to continue, no
+    summary.json."""
+    argv, env = cli_call(("num_clients=20", "clients_per_round=10", "rounds=100000", "checkpoint_every=2",
+                          f"hydra.run.dir={tmp_path / 'run'}"))
+    proc = subprocess.Popen([sys.executable, "-m", "fl_platform.run", *argv], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        for line in proc.stdout:  # the run logs every round
+            if "round 3:" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == [f"error: interrupted; rerun the same command to continue after the last "
+                                        f"checkpoint (run dir {tmp_path / 'run'})"], err
+    assert not (tmp_path / "run" / "summary.json").exists()
