@@ -325,6 +325,13 @@ class EngineConf:
     # CUDA kernel stops the run naming this key. CPU results are bit-identical either way (docs/engine.md, Determinism)
     deterministic: bool = False
 
+    def inactive_fields(self) -> dict[str, str]:
+        """Fields the other settings make inert (field -> why); the config check refuses them set."""
+        if self.state_store == "distributed":
+            return {}
+        return {"state_backend": f"what a distributed store's home workers keep client states in, and "
+                                 f"engine.state_store={self.state_store}"}
+
 
 #: ``logger.wandb_mode``: what ``wandb.init(mode=...)`` takes.
 WANDB_MODES = ("online", "offline", "disabled", "shared")

@@ -97,6 +97,10 @@ def check_run(run: RunConfig) -> None:
         (engine.state_backend in ("memory", "disk"), "engine.state_backend",
          f"must be memory or disk; got {engine.state_backend!r}"),
         (engine.max_restarts >= 0, "engine.max_restarts", f"must be >= 0, got {engine.max_restarts}"),
+        (engine.num_workers is None or engine.num_workers >= 1, "engine.num_workers",
+         f"must be >= 1 (or null: 1 inline, what Ray sees with engine=ray), got {engine.num_workers}"),
+        (_is_device(engine.device), "engine.device", f"must be auto, cpu, cuda[:k] or another torch device; "
+                                                     f"got {engine.device!r}"),
         (engine.eval_device in ("auto", "cpu", "worker") or engine.eval_device.split(":")[0] == "cuda",
          "engine.eval_device", f"must be auto, cpu, cuda[:k] or worker; got {engine.eval_device!r}"),
         (engine.eval_device != "worker" or plain(engine.name) == "ray", "engine.eval_device",
@@ -134,9 +138,23 @@ def check_run(run: RunConfig) -> None:
     _raise_first(checks)
     refuse_inactive("early_stop", early, EarlyStopConf(), early.inactive_fields())
     refuse_inactive("logger", logger, LoggerConf(), logger.inactive_fields())
+    refuse_inactive("engine", engine, EngineConf(), engine.inactive_fields())
     check_keys_and_plugins(run)
     check_effective(run)
     check_eval(run)
+
+
+def _is_device(name: str) -> bool:
+    """``auto`` or a device string torch parses (whether that device is present is checked where it is used)."""
+    import torch
+
+    if name == "auto":
+        return True
+    try:
+        torch.device(name)
+    except RuntimeError:
+        return False
+    return True
 
 
 def check_eval(run: RunConfig) -> None:

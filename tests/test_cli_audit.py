@@ -33,8 +33,13 @@ TINY = ("rounds=1", "num_clients=4", "clients_per_round=2", "train.epochs=1", "m
     (["logger.wandb_project=mine"], "logger.wandb_project='mine' has no effect in this run: a wandb setting, and "
                                     "logger.wandb=false"),
     (["logger.wandb_mode=online"], "logger.wandb_mode='online' has no effect in this run"),
+    (["engine.num_workers=0"], "engine.num_workers must be >= 1"),
+    (["engine=ray", "engine.num_workers=0"], "engine.num_workers must be >= 1"),
+    (["engine.device=tpu"], "engine.device must be auto, cpu, cuda[:k] or another torch device; got 'tpu'"),
+    (["engine.state_store=disk", "engine.state_backend=memory"],
+     "engine.state_backend='memory' has no effect in this run: what a distributed store's home workers keep"),
 ])
-def test_logger_and_seed_values_are_checked_at_start_up(overrides, expected):
+def test_values_are_checked_at_start_up_naming_the_key(overrides, expected):
     with pytest.raises(ConfigError) as err:
         check_run(read_config(compose_config(*TINY, *overrides)))
     assert expected in str(err.value)
