@@ -20,6 +20,7 @@ from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from fl_platform import REPO_ROOT
 from fl_platform.config import register_configs
 
 log = logging.getLogger("fl_platform")
@@ -51,7 +52,9 @@ def _fail(err: BaseException) -> None:
     sys.exit(1)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+# conf/ by its absolute path (as config.compose): a relative one is resolved against the calling file under
+# ``python -m`` but as a Python package ('conf', which does not exist) under the fl-run console script.
+@hydra.main(version_base="1.3", config_path=str(REPO_ROOT / "conf"), config_name="config")
 def main(cfg: DictConfig) -> float | None:
     from fl_platform.api import run_config
     from fl_platform.gpu_slots import pin_joblib_worker

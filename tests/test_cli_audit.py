@@ -9,6 +9,7 @@ import logging
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hydra import compose as hydra_compose
@@ -116,3 +117,14 @@ def test_ctrl_c_ends_a_run_with_one_line_and_no_traceback(tmp_path):
     assert err.strip().splitlines() == [f"error: interrupted; rerun the same command to continue after the last "
                                         f"checkpoint (run dir {tmp_path / 'run'})"], err
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_the_fl_run_console_script_finds_the_config():
+    """README: ``fl-run --help``, the same CLI as a console script (a relative config_path is looked up as a
+    Python package there, and 'conf' is none)."""
+    script = Path(sys.executable).parent / "fl-run"
+    assert script.exists(), f"{script}: the package's console script is not installed (scripts/setup.sh)"
+    proc = subprocess.run([str(script), "--help"], cwd=REPO.parent, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "algorithm: " in proc.stdout and "rounds: 30" in proc.stdout
