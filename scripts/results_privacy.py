@@ -197,6 +197,23 @@ def plot_epsilon(s: rc.Setting, cells: dict[str, dict[int, rc.Run]], path: Path)
     rc.save_figure(fig, path)
 
 
+def z_text(settings: list[rc.Setting], cells: dict[str, dict[int, rc.Run]], mode: str) -> str:
+    """The update's noise multiplier ``mode`` ran at, per target epsilon, in each setting (from the artefacts):
+    once where every setting used the same."""
+    per = {}
+    for s in settings:
+        runs = rc.setting_runs(s, cells)
+        eps = [e for e in EPSILONS if not math.isinf(e) and runs.get(tag_of(mode, e))]
+        if eps:
+            per[f"{SETTINGS[s.name][0]:,} clients"] = (", ".join(_noise_multiplier("", runs[tag_of(mode, e)]) for e in eps)
+                                                       + " at epsilon = " + ", ".join(f"{e:g}" for e in eps))
+    if not per:
+        return "not run yet"
+    if len(set(per.values())) == 1:
+        return f"z = {next(iter(per.values()))}, in {'both settings' if len(per) == 2 else 'every setting'}"
+    return "; ".join(f"{name}: z = {zs}" for name, zs in per.items())
+
+
 def section(s: rc.Setting, cells: dict[str, dict[int, rc.Run]], plots: Path | None, suffix: str) -> str:
     if not rc.setting_runs(s, cells)["fedavg"]:
         return rc.setting_header(s) + "Not run yet.\n"
@@ -211,8 +228,12 @@ def section(s: rc.Setting, cells: dict[str, dict[int, rc.Run]], plots: Path | No
         plot_epsilon(s, cells, plots / name)
     curves = rc.plot_rows(s, cells, ["fedavg", *(tag_of(m, e) for e in (1, 8) for m in MODES)], plots,
                           f"{DOC}_{s.name}_rounds{suffix}.png", f"{s.title}: test accuracy by round, mean and 95% band")
-    return (rc.setting_header(s) + "Rows:\n" + rc.rows_list(s, tags) + "\n" + table + "\n"
-            "Adaptive minus fixed clipping, at each epsilon:\n\n" + adaptive_vs_fixed(s, cells) + "\n"
+    floor = "" if s.row(rc.NOISE) else (
+        "This setting has no noise-floor row (FedAvg with other minibatch orders ran in the first setting only): "
+        "its differences have no shuffling null of their own, and the first setting's floor is for another cohort "
+        "and client data size, so read them against it only with care.\n\n")
+    return (rc.setting_header(s) + "Rows:\n" + rc.rows_list(s, tags) + "\n" + table + "\n" + floor
+            + "Adaptive minus fixed clipping, at each epsilon:\n\n" + adaptive_vs_fixed(s, cells) + "\n"
             f"![{s.title}: accuracy vs epsilon]({name})\n\n" + curves)
 
 
@@ -228,11 +249,14 @@ def build(settings: list[rc.Setting], cells: dict[str, dict[int, rc.Run]], plots
             "`privacy.sampling=poisson`), so epsilon is the add/remove-one-client guarantee of dp-accounting's RDP "
             f"accountant for {rounds} Poisson-subsampled Gaussians, at delta = {DELTA:g} (below 1/num_clients). For "
             f"each target epsilon the run picks the smallest z that reaches it after {rounds} rounds "
-            "(`privacy.noise_multiplier=null`; the same z in both settings, whose q is the same); 'epsilon reached' is "
-            "what the run's accountant logged after its last round. Fixed clipping uses C = "
-            f"{CLIP}; adaptive clipping starts there and moves C towards the median update norm with its own noised "
-            "count (its z for the deltas is raised so that the two together spend the same epsilon). The two settings "
-            "differ in the cohort: the same noise on a sum of 3 times as many clients. In the first, an ablation at "
+            "(`privacy.noise_multiplier=null`); 'epsilon reached' is what the run's accountant logged after its last "
+            f"round. Fixed clipping uses C = {CLIP} and that z (the tables' noise multiplier: "
+            f"{z_text(settings, cells, 'fixed')}). Adaptive clipping starts there and moves C "
+            "towards the median update norm with its own noised count (std: the expected clients per round / 20), and "
+            "its z for the deltas is raised so that the two together spend the same epsilon; the raise depends on the "
+            f"count's noise, so it differs between the settings ({z_text(settings, cells, 'adaptive')}). The two "
+            "settings differ in the cohort: a sum of 3 times as many clients under about the same noise. In the "
+            "first, an ablation at "
             f"epsilon = 2 sets C 10x below and above ({', '.join(f'{c:g}' for c in MISSET)}), for fixed clipping and as "
             "adaptive clipping's starting point. "
             f"{rc.method_paragraph()} Differences below are against the non-private FedAvg (sample-weighted "
