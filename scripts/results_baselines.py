@@ -19,7 +19,6 @@ rows, on seeds 100-101 that no table reports (results_common.Tuning); the test s
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -76,18 +75,6 @@ def settings_of(budget: str, preset: str) -> list[rc.Setting]:
     return out
 
 
-def _bytes_up(fedavg: dict[int, rc.Run]):
-    """A row's mean uploaded bytes per run over FedAvg's on the same seeds (SCAFFOLD also uploads its control
-    variate); results_heterogeneity's column, in short."""
-    def mean_up(runs: dict[int, rc.Run], seeds: list[int]) -> float:
-        return statistics.fmean(sum(r.get("bytes_up", 0) for r in runs[k]["rows"]) for k in seeds) if seeds else 0.0
-
-    def cell(_tag: str, runs: dict[int, rc.Run]) -> str:
-        seeds = sorted(set(runs) & set(fedavg))
-        return f"{mean_up(runs, seeds) / base:.2f}x" if (base := mean_up(fedavg, seeds)) else "-"
-    return cell
-
-
 def build(settings: list[rc.Setting], cells: dict[str, dict[int, rc.Run]], plots: Path | None, command: str,
           artefacts: Path) -> str:
     suffix = rc.suffix_of(DOC, artefacts)
@@ -99,7 +86,7 @@ def build(settings: list[rc.Setting], cells: dict[str, dict[int, rc.Run]], plots
             continue
         sections.append(rc.setting_header(s) + rc.tuning_section(s, cells, {**LABELS, **CATALOGUE}) + "\n")
         table, diffs = rc.main_table(s, cells, tags,
-                                     {"bytes up / FedAvg's": _bytes_up(rc.setting_runs(s, cells)["fedavg"])})
+                                     {"bytes up / FedAvg's": rc.upload_ratio(rc.setting_runs(s, cells)["fedavg"])})
         verdicts += rc.verdict_rows(s, cells, diffs, [*LABELS, *CATALOGUE])
         sections.append("Rows (each with its chosen values, on all of the clients' training rows):\n" + rc.rows_list(s, tags) + "\n" + table + "\n"
                         + rc.fednova_note(rc.setting_runs(s, cells)) + rc.plot_rows(

@@ -897,6 +897,19 @@ def tuning_table(s: Setting, cells: dict[str, dict[int, Run]], labels: dict[str,
     return md_table(["algorithm", *(f"{key} = {v:g}" for v in columns), "chosen"], table)
 
 
+def upload_ratio(fedavg: dict[int, Run]) -> Callable[[str, dict[int, Run]], str]:
+    """A main-table column: a row's mean uploaded bytes per run over FedAvg's on the same seeds, what a
+    method's gain costs in communication (FedImpro uploads its feature statistics, SCAFFOLD its control
+    variates)."""
+    def mean_up(runs: dict[int, Run], seeds: list[int]) -> float:
+        return statistics.fmean(sum(r.get("bytes_up", 0) for r in runs[k]["rows"]) for k in seeds) if seeds else 0.0
+
+    def cell(_tag: str, runs: dict[int, Run]) -> str:
+        seeds = sorted(set(runs) & set(fedavg))
+        return f"{mean_up(runs, seeds) / base:.2f}x" if (base := mean_up(fedavg, seeds)) else "-"
+    return cell
+
+
 def grid_edges(s: Setting, algorithm: str) -> list[str]:
     """The keys of ``algorithm``'s grid (of more than one value) whose chosen value is the grid's least or
     greatest: the grid may not hold that key's best value, so the row counts as not tuned (untuned_reason)."""

@@ -25,7 +25,6 @@ other settings' rows run at the hand-set lr 0.05 and every verdict on them says 
 
 from __future__ import annotations
 
-import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -275,19 +274,6 @@ def ablation_table(s: Setting, cells: dict[str, dict[int, rc.Run]]) -> str:
             "the main row it varies (same seeds).\n\n" + rc.md_table(header, rows))
 
 
-def _upload_ratio(fedavg: dict[int, rc.Run]):
-    """A row's mean uploaded bytes per run over FedAvg's on the same seeds: what a method's gain costs in
-    communication (FedImpro uploads its feature statistics, SCAFFOLD its control variates)."""
-    def cell(_tag: str, runs: dict[int, rc.Run]) -> str:
-        seeds = sorted(set(runs) & set(fedavg))
-        if not seeds:
-            return "-"
-        up = [sum(row.get("bytes_up", 0) for row in runs[k]["rows"]) for k in seeds]
-        base = [sum(row.get("bytes_up", 0) for row in fedavg[k]["rows"]) for k in seeds]
-        return f"{statistics.fmean(up) / statistics.fmean(base):.2f}x" if statistics.fmean(base) else "-"
-    return cell
-
-
 def baseline_verdicts(s: Setting, cells: dict[str, dict[int, rc.Run]]
                       ) -> list[tuple[rc.PaperClaim, rc.Interval | None, str]]:
     """FedImpro's and VHL's claims against each of the papers' other baselines (FedProx, SCAFFOLD, FedNova),
@@ -332,7 +318,7 @@ def build(settings: list[Setting], cells: dict[str, dict[int, rc.Run]], plots: P
             continue
         tags = [t for t in [*MAIN, NOISE, AGAIN] if s.row(t)]
         table, diffs = rc.main_table(s, cells, tags, {"PredShift accuracy": _predshift,
-                                                      "bytes up / FedAvg's": _upload_ratio(runs["fedavg"])})
+                                                      "bytes up / FedAvg's": rc.upload_ratio(runs["fedavg"])})
         verdicts += rc.verdict_rows(s, cells, diffs, [t for t in MAIN if s.row(t)]) + baseline_verdicts(s, cells)
         text = rc.setting_header(s) + rows_intro(s, cells)
         text += (rc.rows_list(s, tags) + "\n" + rc.missing_runs(s, cells) + table + "\n" + rc.fednova_note(runs))
