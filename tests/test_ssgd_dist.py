@@ -32,6 +32,8 @@ SCENARIOS: dict[str, list[str]] = {
     "topk": [*COMMON, "train.steps=12", "compressor=topk", "compressor.ratio=0.05"],
     "acpsgd": [*COMMON, "train.steps=12", "compressor=acpsgd", "compressor.rank=2"],
     "powersgd": [*COMMON, "train.steps=12", "compressor=powersgd"],
+    # Two DDP buckets ([b2, W2], [b1, W1]: 4 KB caps), so two buckets' P and Q all-reduces are in flight
+    "powersgd_buckets": [*COMMON, "train.steps=12", "compressor=powersgd", "ssgd.bucket_cap_mb=0.004"],
     "local": [*COMMON, "train.steps=14", "ssgd.sync=local", "ssgd.period=4"],
 }
 WORLD = 2
@@ -44,14 +46,23 @@ def _env() -> dict[str, str]:
 
 
 def _launch(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own session; on timeout kill that session's processes (torchrun and workers)."""
+    """Run ``cmd`` in its own session; on timeout stop torchrun and its workers.
+
+    torchrun starts every worker in a session of its own, so killing torchrun's process group would
+    leave the workers running (holding the output pipe: the test would wait forever). SIGTERM makes
+    torchrun stop its workers (SIGTERM, then SIGKILL after 30 s); only if it has not ended a minute
+    later is its session killed."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate(timeout=60)
         pytest.fail(f"{' '.join(cmd)} did not finish in {TIMEOUT_S} s:\n{out[-3000:]}")
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-5000:]}")
@@ -203,12 +214,14 @@ def test_acpsgd_wrapper_matches_its_single_process_simulation(scenario_runs):
     assert summary["bytes_per_worker_total"] < 0.5 * 12 * summary["dense_bytes_per_step"]
 
 
-def test_powersgd_hook_matches_its_single_process_simulation(scenario_runs):
-    """Rank-1 PowerSGD per weight matrix (warm-started Q, EF against the global approximation), biases dense."""
+@pytest.mark.parametrize("name, buckets", [("powersgd", 1), ("powersgd_buckets", 2)])
+def test_powersgd_hook_matches_its_single_process_simulation(scenario_runs, name, buckets):
+    """Rank-1 PowerSGD per weight matrix (warm-started Q, EF against the global approximation), biases dense,
+    with one DDP bucket and with two (their all-reduces once deadlocked gloo's two worker threads)."""
     from fl_platform.compression.base import Key
     from fl_platform.compression.registry import make_compressor
 
-    ref = Reference(SCENARIOS["powersgd"])
+    ref = Reference(SCENARIOS[name])
     psgd = make_compressor(ref.cfg.compressor).inner  # ErrorFeedback(PowerSGD): the hook does EF itself
     fm, opt = ref.new_model(), ref.new_optimizer()
     slots = [s for s in fm.slots if s.is_param]
@@ -232,10 +245,12 @@ def test_powersgd_hook_matches_its_single_process_simulation(scenario_runs):
             qs[i] = q_mean.reshape(-1)
             mean[s.offset : s.offset + s.numel] = approx.reshape(-1)
         opt.step(fm.params, mean)
-    run = scenario_runs / "powersgd"
+    run = scenario_runs / name
     _assert_same_model(_saved(run), fm, atol=2e-5)
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["sync"] == "ddp+powersgd" and all(r["replica_max_abs_diff"] == 0.0 for r in _rows(run))
+    rows = _rows(run)
+    assert summary["sync"] == "ddp+powersgd" and all(r["replica_max_abs_diff"] == 0.0 for r in rows)
+    assert rows[-1]["collectives"] == 6 * 2 * buckets  # steps 6-11: P and Q of every bucket
 
 
 def test_local_sgd_replicas_are_identical_right_after_averaging(scenario_runs):

@@ -244,7 +244,14 @@ def _allgather(state: HookState, st: BucketState, buf: torch.Tensor, key: Key) -
 
 
 def _powersgd(state: HookState, st: BucketState, buf: torch.Tensor, key: Key) -> torch.futures.Future[torch.Tensor]:
-    """Rank-r PowerSGD per matrix segment, dense for the rest; EF against the global approximation."""
+    """Rank-r PowerSGD per matrix segment, dense for the rest; EF against the global approximation.
+
+    Both all-reduces are launched and waited for here, on the thread that runs the hook (the backward
+    pass), and the bucket's result is returned as a completed future. Not from a callback of the P
+    all-reduce: a callback runs on a backend worker thread, so with two buckets in flight each of
+    gloo's two worker threads blocked in its bucket's Q all-reduce and no thread was left to run them
+    (a deadlock), and the ranks could launch one bucket's Q and the next bucket's P in different orders
+    (collectives paired across ranks by launch order)."""
     comp = state.compressor
     ef = isinstance(comp, ErrorFeedback)
     psgd: PowerSGD = comp.inner if ef else comp  # type: ignore[assignment]
@@ -270,43 +277,40 @@ def _powersgd(state: HookState, st: BucketState, buf: torch.Tensor, key: Key) ->
             q = psgd.random_factor(cols, key.child(*st.segment_keys[j]), m.device, scope="step").to(m.dtype)
         mats[j] = (m, q)
         first.append(psgd.p_step(m, q).reshape(-1))
-    p_flat = torch.cat(first) if first else flat.new_zeros(0, dtype=torch.float32)
-    state.stats.all_reduce(p_flat.numel() * 4)
-    if mats:  # counted here, not in the callback (which may run on the backend's thread)
-        state.stats.all_reduce(4 * psgd.rank * sum(m.shape[1] for m, _ in mats.values()))
-
-    def finish(fut: torch.futures.Future) -> torch.Tensor:
-        p_sum = fut.value()[0]
-        out = torch.empty_like(buf)
-        pos, p_hats, second = 0, {}, []
+    p_sum = torch.cat(first) if first else flat.new_zeros(0, dtype=torch.float32)
+    state.stats.all_reduce(p_sum.numel() * 4)
+    dist.all_reduce(p_sum, group=state.group)
+    out = torch.empty_like(buf)
+    pos, p_hats, second = 0, {}, []
+    for j, seg in enumerate(st.layout.segments):
+        if j not in mats:
+            out[seg.offset : seg.end] = (p_sum[pos : pos + seg.numel] / n).to(buf.dtype)
+            pos += seg.numel
+            continue
+        m, _ = mats[j]
+        size = m.shape[0] * psgd.rank
+        p_hat, q_local = psgd.q_step(m, p_sum[pos : pos + size].view(m.shape[0], psgd.rank))
+        pos += size
+        p_hats[j] = p_hat
+        second.append(q_local.reshape(-1))
+    if second:
+        q_sum = torch.cat(second)
+        state.stats.all_reduce(q_sum.numel() * 4)
+        dist.all_reduce(q_sum, group=state.group)
+        pos = 0
         for j, seg in enumerate(st.layout.segments):
             if j not in mats:
-                out[seg.offset : seg.end] = (p_sum[pos : pos + seg.numel] / n).to(buf.dtype)
-                pos += seg.numel
                 continue
             m, _ = mats[j]
-            size = m.shape[0] * psgd.rank
-            p_hat, q_local = psgd.q_step(m, p_sum[pos : pos + size].view(m.shape[0], psgd.rank))
+            size = m.shape[1] * psgd.rank
+            approx, q_mean = psgd.reconstruct(p_hats[j], q_sum[pos : pos + size].view(m.shape[1], psgd.rank), n)
             pos += size
-            p_hats[j] = p_hat
-            second.append(q_local.reshape(-1))
-        if second:
-            q_flat = torch.cat(second)
-            q_sum = dist.all_reduce(q_flat, group=state.group, async_op=True).get_future().wait()[0]
-            pos = 0
-            for j, seg in enumerate(st.layout.segments):
-                if j not in mats:
-                    continue
-                m, _ = mats[j]
-                size = m.shape[1] * psgd.rank
-                approx, q_mean = psgd.reconstruct(p_hats[j], q_sum[pos : pos + size].view(m.shape[1], psgd.rank), n)
-                pos += size
-                out[seg.offset : seg.end] = approx.reshape(-1).to(buf.dtype)
-                seg_state = st.lowrank[j]
-                if ef:
-                    seg_state["residual"] = (m - approx).reshape(-1)
-                if psgd.warm_start:
-                    seg_state["q"] = q_mean.reshape(-1).clone()
-        return out
-
-    return dist.all_reduce(p_flat, group=state.group, async_op=True).get_future().then(finish)
+            out[seg.offset : seg.end] = approx.reshape(-1).to(buf.dtype)
+            seg_state = st.lowrank[j]
+            if ef:
+                seg_state["residual"] = (m - approx).reshape(-1)
+            if psgd.warm_start:
+                seg_state["q"] = q_mean.reshape(-1).clone()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(out)
+    return fut
