@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -291,6 +292,42 @@ def test_cli_two_workers_powersgd_learns_digits(tmp_path):
     # After the 2 dense warm-up steps, each step sends P and Q (rank 1) plus the biases dense.
     assert rows[-1]["bytes_per_worker"] < 0.1 * rows[-1]["step"] / 6 * summary["dense_bytes_per_step"]
     assert (runs[0] / "model.pt").exists() and (runs[0] / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_fl_ssgd_stops_its_workers(tmp_path, sig):
+    """fl-ssgd stopped (Ctrl-C, SIGTERM: to it alone) stops torchrun and the workers, which torchrun starts
+    in sessions of their own: none is left training, orphaned."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "fl_platform.ssgd.launch", "--nproc-per-node", "2", "train.epochs=100000",
+           "ssgd.threads=1", "logger.progress=false", "eval_every=0", "save_model=false", f"run_dir={run_dir}"]
+
+    def workers() -> list[psutil.Process]:
+        """torchrun (``-m fl_platform.ssgd`` is in its command line too) and the workers."""
+        found = []
+        for proc in psutil.process_iter(["cmdline"]):
+            line = proc.info["cmdline"] or []
+            if "fl_platform.ssgd" in line and f"run_dir={run_dir}" in line:
+                found.append(proc)
+        return found
+
+    launcher = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    left: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not ((run_dir / "metrics.jsonl").exists() and len(workers()) == WORLD + 1):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the workers did not start"
+            time.sleep(0.5)
+        launcher.send_signal(sig)  # to fl-ssgd alone, as a scheduler or a parent process would
+        launcher.wait(timeout=120)
+        _, left = psutil.wait_procs(workers(), timeout=10)
+    finally:
+        for proc in [*workers(), psutil.Process(launcher.pid)] if launcher.poll() is None else workers():
+            proc.kill()  # clean up what this test started, by PID
+    assert not left, f"torchrun or workers left running after fl-ssgd ended: {[p.pid for p in left]}"
 
 
 # ---------------------------------------------------------------- the torchrun side

@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 
 USAGE = """usage: torchrun --nproc_per_node=N -m fl_platform.ssgd [key=value ...]
        fl-ssgd [--nproc-per-node N] [key=value ...]
@@ -108,7 +110,35 @@ def main(argv: list[str] | None = None) -> int:
     if nproc < 1:
         print(f"error: --nproc-per-node must be >= 1, got {nproc}", file=sys.stderr)
         return 2
-    return subprocess.call(torchrun_command(nproc, overrides))
+    return run_torchrun(torchrun_command(nproc, overrides))
+
+
+def run_torchrun(cmd: list[str], grace_s: float = 60.0) -> int:
+    """Run torchrun and wait for it. Interrupted (Ctrl-C, SIGTERM), stop it with SIGTERM and wait up
+    to ``grace_s``: torchrun then stops its workers (SIGTERM, SIGKILL after 30 s). It starts each worker
+    in a session of its own, so killing torchrun outright (what ``subprocess.call`` does) leaves the
+    workers running, orphaned, for the rest of their run. Only if it has not ended by then is it killed."""
+    proc = subprocess.Popen(cmd)
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be set
+    previous = signal.signal(signal.SIGTERM, terminate) if main_thread else None
+    try:
+        return proc.wait()
+    except BaseException:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        raise
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
