@@ -53,6 +53,14 @@ def test_shard_errors_name_the_problem():
 # ---------------------------------------------------------------- config
 
 
+def test_an_unknown_device_is_refused_naming_the_key():
+    from fl_platform.ssgd.distributed import resolve_device
+
+    with pytest.raises(ValueError, match=r"ssgd.device must be auto, cpu, cuda or cuda:<index>; got 'foo'"):
+        resolve_device("foo", 0)
+    assert resolve_device("cpu", 1) == torch.device("cpu")
+
+
 def test_config_reuses_the_simulator_groups():
     cfg = compose_ssgd_config(["model=cnn", "compressor=powersgd", "compressor.rank=2", "train.batch_size=8"])
     assert cfg.model.name == "cnn" and cfg.model.channels == [32, 64]

@@ -49,7 +49,10 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
     """``auto``: ``cuda:<local rank>`` when CUDA is available, else CPU. ``cuda`` also gets the local rank."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as err:  # torch's message lists its device types and never names the key
+        raise ValueError(f"ssgd.device must be auto, cpu, cuda or cuda:<index>; got {device!r}") from err
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"ssgd.device={device!r} but CUDA is not available; use auto or cpu")
