@@ -87,7 +87,9 @@ def run_worker(argv: list[str] | None = None) -> int:
 
 def torchrun_command(nproc: int, args: list[str], target: tuple[str, ...] = ("-m", "fl_platform.ssgd")) -> list[str]:
     """torchrun for ``nproc`` workers on this host: like ``--standalone`` (c10d rendezvous on a port the
-    OS picks, so two launches never race for one), but pinned to the loopback address."""
+    OS picks, so two launches never race for one), with the workers reaching it on the loopback address.
+    The stores torchrun serves (the rendezvous's and the agent's TCPStore) still listen on every
+    interface, whatever host they are given (seen with ``ss -ltnp``: ``*:<port>``)."""
     import uuid
 
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
