@@ -444,7 +444,7 @@ def check_ssgd(run: RunConfig) -> None:
     """The S-SGD runtime's checks (fl_platform/ssgd): values, the federated-only train options it does
     not take, a field the chosen optimiser, compressor, sync mode or dataset option does not read (as
     the simulator's check_effective), and, as the simulator's, keys and plug-ins."""
-    from fl_platform.ssgd.config import SSGDConf
+    from fl_platform.ssgd.config import SSGDConf, SSGDConfig
     from fl_platform.training.schedule import LrSchedule
 
     s, t = run.ssgd, run.train
@@ -463,6 +463,9 @@ def check_ssgd(run: RunConfig) -> None:
            f"got {getattr(t, key)}") for key, off in (("precision", "fp32"), ("channels_last", False), ("compile", False))),
         (run.eval_every >= 0, "eval_every", f"must be >= 0, got {run.eval_every}"),
         (run.eval_batch_size >= 1, "eval_batch_size", f"must be >= 1, got {run.eval_batch_size}"),
+        (run.eval_every > 0 or run.eval_batch_size == SSGDConfig.eval_batch_size, "eval_batch_size",
+         f"has no effect with eval_every=0 (nothing is evaluated; leave it at {SSGDConfig.eval_batch_size}), "
+         f"got {run.eval_batch_size}"),
         (run.log_every_steps >= 0, "log_every_steps", f"must be >= 0, got {run.log_every_steps}"),
         (s.backend in ("auto", "gloo", "nccl"), "ssgd.backend", f"must be auto, gloo or nccl; got {s.backend!r}"),
         (s.bucket_cap_mb > 0, "ssgd.bucket_cap_mb", f"must be > 0, got {s.bucket_cap_mb}"),

@@ -79,6 +79,7 @@ def test_config_reuses_the_simulator_groups():
     (["train.momentum=-0.5"], r"train.momentum must be in \[0, 1\)"),
     (["train.weight_decay=-1"], "train.weight_decay must be >= 0"),
     (["eval_batch_size=0"], "eval_batch_size must be >= 1"),
+    (["eval_every=0", "eval_batch_size=7"], "eval_batch_size has no effect with eval_every=0"),
     (["train.precision=bf16"], "train.precision is a step option of the federated loop"),
     (["train.compile=true"], "train.compile is a step option of the federated loop"),
     (["train.nesterov=true", "train.momentum=0"], "train.nesterov needs train.momentum > 0"),
