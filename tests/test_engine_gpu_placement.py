@@ -113,8 +113,11 @@ def test_a_failed_start_up_leaves_no_ray_behind(cases):
 
 
 @pytest.mark.parametrize(("cfg", "node_gpus", "words"), [
-    ({"num_workers": 1, "gpus_per_worker": 5}, [4, 4], ["1 workers at engine.gpus_per_worker=5", "8 whole GPUs",
-                                                        "per node: [4, 4]"]),
+    ({"num_workers": 3, "gpus_per_worker": 1}, [1, 1], ["3 workers at engine.gpus_per_worker=1", "2 whole GPUs",
+                                                        "per node: [1, 1]"]),
+    # a worker trains on its first GPU: more than one would leave the rest reserved and idle
+    ({"num_workers": 1, "gpus_per_worker": 2}, [4, 4], ["engine.gpus_per_worker=2: a worker trains on one GPU",
+                                                        "1 of the 2"]),
     ({"num_workers": 20, "gpus_per_worker": 0.4, "cpus_per_worker": 0.5}, [4, 4], ["20 workers at 0.4 GPU",
                                                                                     "3 share one GPU"]),
     ({"num_workers": 9, "cpus_per_worker": 2}, [4, 4], ["engine.num_workers=9 x engine.cpus_per_worker=2", "16 CPUs"]),

@@ -30,15 +30,14 @@ def conf_value(cfg: Any, key: str, default: Any = None) -> Any:
 
 @dataclass(frozen=True)
 class Placement:
-    """The plan: W workers of ``cpus_per_worker`` CPUs; on GPUs, ``bundles`` GPU bundles of
-    ``bundle_gpus`` whole GPUs each, worker w in bundle ``w % bundles``."""
+    """The plan: W workers of ``cpus_per_worker`` CPUs; on GPUs, ``bundles`` bundles of one whole GPU
+    each, worker w in bundle ``w % bundles``."""
 
     num_workers: int
     cpus_per_worker: float
     gpus_per_worker: float  # 0: the workers train on CPU; else the explicit share, or 0 for "even" (1/occupants)
     eval_gpus: float = 0.0  # the GPU share held for the driver's evaluation (engine.eval_device=cuda)
     bundles: int = 0  # GPU bundles (0: CPU workers, placed by Ray's SPREAD)
-    bundle_gpus: int = 1  # whole GPUs per bundle (> 1: engine.gpus_per_worker > 1, one worker per bundle)
     uses_gpu: bool = False
 
     def bundle_of(self, worker_id: int) -> int:
@@ -56,11 +55,11 @@ class Placement:
         if self.gpus_per_worker:
             return self.gpus_per_worker
         b = self.bundle_of(worker_id)
-        free = self.bundle_gpus - (self.eval_gpus if b == eval_bundle else 0.0)
+        free = 1.0 - (self.eval_gpus if b == eval_bundle else 0.0)
         return free / self.occupants(b)
 
     def bundle_specs(self) -> list[dict[str, float]]:
-        return [{"GPU": float(self.bundle_gpus), "CPU": self.cpus_per_worker * self.occupants(b)}
+        return [{"GPU": 1.0, "CPU": self.cpus_per_worker * self.occupants(b)}
                 for b in range(self.bundles)]
 
 
@@ -125,18 +124,21 @@ def plan_placement(cfg: Any, device: str, resources: dict[str, float], eval_on_g
         return Placement(num_workers, cpus_per_worker, 0.0, min(1.0, total_gpus) if eval_on_gpu else 0.0)
     share = 0.0 if explicit is None else float(explicit)
     eval_gpus = EVAL_SHARE if eval_on_gpu else 0.0
-    if share >= 1:  # whole GPUs per worker: one bundle each
+    if share > 1:  # a worker's device is its first GPU (rounds/setup.py): the others would sit idle, reserved
+        raise ValueError(f"engine.gpus_per_worker={share:g}: a worker trains on one GPU, so {share - 1:g} of the "
+                         f"{share:g} it would hold sit idle; use engine.gpus_per_worker=1 (or leave it unset) and "
+                         f"more workers (engine.num_workers)")
+    if share == 1:  # a whole GPU per worker: one bundle each
         if eval_on_gpu:
             raise ValueError(f"engine.eval_device=cuda with engine.gpus_per_worker={share:g}: every GPU is a worker's "
                              f"whole; leave engine.gpus_per_worker unset (the evaluation then takes {EVAL_SHARE:g} of "
                              f"a GPU on the driver's node), or use engine.eval_device=cpu")
-        if share != int(share) or sum(n // int(share) for n in node_gpus) < num_workers:
+        if sum(node_gpus) < num_workers:
             raise ValueError(
                 f"{num_workers} workers at engine.gpus_per_worker={share:g} GPUs each cannot be placed on the "
-                f"cluster's {gpus} whole GPUs (per node: {node_gpus}; more than one GPU per worker must be a whole "
-                f"number on one node); leave engine.gpus_per_worker unset for an even split, or lower "
-                f"engine.num_workers.")
-        return Placement(num_workers, cpus_per_worker, share, bundles=num_workers, bundle_gpus=int(share), uses_gpu=True)
+                f"cluster's {gpus} whole GPUs (per node: {node_gpus}); leave engine.gpus_per_worker unset for an "
+                f"even split, or lower engine.num_workers.")
+        return Placement(num_workers, cpus_per_worker, share, bundles=num_workers, uses_gpu=True)
     bundles = min(num_workers, gpus)
     crowd = math.ceil(num_workers / bundles)
     if share > 0 and crowd * share + (eval_gpus if eval_on_gpu else 0.0) > 1 + 1e-9:
