@@ -196,28 +196,28 @@ def build(cfg: DictConfig | RunConfig, run_dir: Path | str | None = None, report
                                  num_clients=run.num_clients, clients_per_round=run.clients_per_round,
                                  rounds=run.rounds, seed=run.seed)
     engine = make_engine(run, setup)
-    report_workers(engine, rd)
-    warn_unbalanced(run, setup, engine.num_workers, sampling_of(setup.privacy))
-    if engine.eval_device is not None and engine.eval_device != eval_model.device:
-        # The Ray engine decided where the driver evaluates (a GPU share it holds): the same model there.
-        # Its weights come from the server at every evaluation; its construction draws no run RNG.
-        with torch.random.fork_rng(devices=[]):
-            eval_model = FlatModel(setup.model(), engine.eval_device)
-    loop = LoopConfig(seed=run.seed, rounds=run.rounds, clients_per_round=run.clients_per_round,
-                      eval_every=run.eval_every, eval_batch_size=run.eval_batch_size,
-                      sampling=sampling_of(setup.privacy), nonfinite=setup.nonfinite)
-    sim = Simulation(loop, data, server, engine, eval_model,
-                     metrics=MetricsLog(rd.metrics) if rd is not None else None, reporter=reporter,
-                     checkpointer=checkpointer if run.checkpoint_every > 0 else None)
-    sim.system = setup.system
-    sim.privacy = privacy
-    sim.round_end = round_end
-    if round_end is not None and round_end.validation is not None:
-        sim.evaluator.add("validation", *round_end.validation)
-    if run.eval_clients != "none":
-        sim.client_eval = ClientEvaluation(run.eval_clients, data.num_clients,
-                                           rd.path / CLIENT_METRICS if rd is not None else None)
-    try:
+    try:  # from here an error releases the engine's workers and GPUs (a notebook's api.run goes on)
+        report_workers(engine, rd)
+        warn_unbalanced(run, setup, engine.num_workers, sampling_of(setup.privacy))
+        if engine.eval_device is not None and engine.eval_device != eval_model.device:
+            # The Ray engine decided where the driver evaluates (a GPU share it holds): the same model there.
+            # Its weights come from the server at every evaluation; its construction draws no run RNG.
+            with torch.random.fork_rng(devices=[]):
+                eval_model = FlatModel(setup.model(), engine.eval_device)
+        loop = LoopConfig(seed=run.seed, rounds=run.rounds, clients_per_round=run.clients_per_round,
+                          eval_every=run.eval_every, eval_batch_size=run.eval_batch_size,
+                          sampling=sampling_of(setup.privacy), nonfinite=setup.nonfinite)
+        sim = Simulation(loop, data, server, engine, eval_model,
+                         metrics=MetricsLog(rd.metrics) if rd is not None else None, reporter=reporter,
+                         checkpointer=checkpointer if run.checkpoint_every > 0 else None)
+        sim.system = setup.system
+        sim.privacy = privacy
+        sim.round_end = round_end
+        if round_end is not None and round_end.validation is not None:
+            sim.evaluator.add("validation", *round_end.validation)
+        if run.eval_clients != "none":
+            sim.client_eval = ClientEvaluation(run.eval_clients, data.num_clients,
+                                               rd.path / CLIENT_METRICS if rd is not None else None)
         sim.restore(ckpt)
     except BaseException:
         engine.close()

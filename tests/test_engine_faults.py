@@ -134,3 +134,60 @@ def test_nonfinite_update_is_skipped_and_never_averaged(algorithm, cohort):
 def test_ray_engine_refuses_more_workers_than_resources(ray_session):
     with pytest.raises(ValueError, match=r"engine\.num_workers=3 x engine\.cpus_per_worker=1 needs more than the 2 CPUs"):
         build(compose_config(*COMMON, "engine=ray", "engine.num_workers=3"))
+
+
+def test_close_releases_every_part_when_one_raises():
+    """RayEngine.close: the workers, the evaluation slot, the placement group and the Ray it started
+    are each released even when an earlier one raises (an unreachable cluster), and the error
+    still reaches the caller: nothing holds GPUs or Ray processes after a failed close."""
+    from fl_platform.engine.ray_engine import RayEngine
+
+    done: list[str] = []
+
+    class Part:
+        def __init__(self, name: str, fails: bool = False) -> None:
+            self.name, self.fails = name, fails
+
+        def close(self) -> None:
+            done.append(self.name)
+            if self.fails:
+                raise ConnectionError(f"{self.name} unreachable")
+
+    class FakeRay:
+        def kill(self, actor: str) -> None:
+            done.append(actor)
+
+        def shutdown(self) -> None:
+            done.append("ray")
+
+    engine = RayEngine.__new__(RayEngine)  # the parts only: no cluster
+    engine.pool, engine.group = Part("workers", fails=True), Part("group")
+    engine._eval_slot, engine._ray, engine._owns_ray = "eval slot", FakeRay(), True
+    with pytest.raises(ConnectionError, match="workers unreachable"):
+        engine.close()
+    assert done == ["workers", "eval slot", "group", "ray"]
+
+
+def test_a_failed_build_after_the_engine_started_closes_it(monkeypatch):
+    """An error between starting the engine and the first round (reporting the workers, the
+    evaluation model, restoring a checkpoint) closes the engine: its workers and GPUs are not left
+    held in a notebook's process."""
+    from fl_platform import experiment
+
+    closed: list[bool] = []
+    real = experiment.make_engine
+
+    def make_engine(run, setup):
+        engine = real(run, setup)
+        close = engine.close
+        engine.close = lambda: (closed.append(True), close())[1]
+        return engine
+
+    def report_workers(engine, rd):
+        raise RuntimeError("report failed")
+
+    monkeypatch.setattr(experiment, "make_engine", make_engine)
+    monkeypatch.setattr(experiment, "report_workers", report_workers)
+    with pytest.raises(RuntimeError, match="report failed"):
+        build(compose_config("rounds=1", "num_clients=4", "clients_per_round=2"))
+    assert closed == [True]

@@ -33,6 +33,7 @@ from there, or stops with that error when there is none.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -625,11 +626,14 @@ class RayEngine(Engine):
         self._loaded = state.get("client_states")
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-        if self._eval_slot is not None:
-            self._ray.kill(self._eval_slot)
-        if self.group is not None:
-            self.group.close()
-        if self._owns_ray:
-            self._ray.shutdown()
+        """Workers, the evaluation slot, the placement group, then the Ray this engine started: each is
+        released even when one before it raises (an unreachable cluster), which is then re-raised."""
+        with contextlib.ExitStack() as stack:  # callbacks run last-in first-out
+            if self._owns_ray:
+                stack.callback(self._ray.shutdown)
+            if self.group is not None:
+                stack.callback(self.group.close)
+            if self._eval_slot is not None:
+                stack.callback(self._ray.kill, self._eval_slot)
+            if self.pool is not None:
+                stack.callback(self.pool.close)
