@@ -117,6 +117,18 @@ def slot_mask(fm) -> torch.Tensor:
     return used
 
 
+def interruptible() -> None:
+    """``preexec_fn`` of a child a test stops with SIGINT (Ctrl-C): SIGINT at its default and unblocked
+    in it. A child inherits its parent's SIGINT disposition and mask, and a pytest worker that has hosted
+    Ray or joblib may pass SIGINT ignored or blocked (as a shell does to a background job: there Python
+    installs no KeyboardInterrupt handler), where a terminal's Ctrl-C reaches a foreground run at the
+    default."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def compose_config(*overrides: str) -> DictConfig:
     """The config ``python -m fl_platform.run <overrides>`` would run (progress bar off).
 

@@ -21,7 +21,7 @@ from fl_platform.experiment import build, execute
 from fl_platform.reporting import Reporter
 from fl_platform.run_config import read_config
 
-from .conftest import CONF_DIR, compose_config
+from .conftest import CONF_DIR, compose_config, interruptible
 from .test_cli import REPO, cli_call, run_cli
 
 TINY = ("rounds=1", "num_clients=4", "clients_per_round=2", "train.epochs=1", "model.hidden=[8]")
@@ -102,7 +102,7 @@ def test_ctrl_c_ends_a_run_with_one_line_and_no_traceback(tmp_path):
     argv, env = cli_call(("num_clients=20", "clients_per_round=10", "rounds=100000", "checkpoint_every=2",
                           f"hydra.run.dir={tmp_path / 'run'}"))
     proc = subprocess.Popen([sys.executable, "-m", "fl_platform.run", *argv], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=interruptible)
     try:
         for line in proc.stdout:  # the run logs every round
             if "round 3:" in line:
