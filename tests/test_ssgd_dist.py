@@ -26,8 +26,6 @@ from fl_platform.ssgd.config import compose_ssgd_config
 from fl_platform.ssgd.distributed import shard_indices
 from fl_platform.ssgd.launch import torchrun_command
 
-from .conftest import interruptible
-
 COMMON = ["train.batch_size=16", "train.lr=0.1", "train.momentum=0.9", "ssgd.threads=1",
           "logger.progress=false", "ssgd.check_replicas=true", "log_every_steps=6"]
 SCENARIOS: dict[str, list[str]] = {
@@ -314,6 +312,8 @@ def test_interrupted_fl_ssgd_stops_its_workers(tmp_path, sig):
             if "fl_platform.ssgd" in line and f"run_dir={run_dir}" in line:
                 found.append(proc)
         return found
+
+    from .conftest import interruptible  # here: torchrun's workers run this file as a script
 
     launcher = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True, preexec_fn=interruptible)
