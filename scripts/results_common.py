@@ -527,6 +527,13 @@ class PaperClaim:
     diverged: str = ""
 
 
+def claim_budget(*fracs: tuple[float, float, str]) -> dict[str, float | str]:
+    """A claim's ``budget``, the least of its fractions (ours, the paper's, what: README.md "Verdicts"),
+    and ``budget_of``, every one that falls short, named: PaperClaim's two fields as keyword arguments."""
+    short = [(ours / paper, what) for ours, paper, what in fracs if ours < paper]
+    return {"budget": min((f for f, _ in short), default=1.0), "budget_of": "; ".join(w for _, w in short)}
+
+
 MIN_SEEDS = 10  # rows a verdict rests on have at least this many paired seeds (README.md, "Verdicts")
 
 

@@ -105,13 +105,6 @@ CNN = "small CNN (conv 16, conv 32, fc 64) instead of ResNet-18"
 # The baselines of FedImpro's table (specs/fedimpro.md): a verdict on one of them
 # names the others as untested.
 FEDIMPRO_BASELINES = ("FedAvg", "FedProx", "SCAFFOLD", "FedNova")
-def budget(*fracs: tuple[float, str]) -> dict[str, float | str]:
-    """A claim's ``budget`` (the least of its fractions (ours, the paper's), README.md "Verdicts") and
-    ``budget_of`` (every fraction that falls short, named)."""
-    short = [(ours / paper, what) for ours, paper, what in fracs if ours < paper]
-    return {"budget": min((f for f, _ in short), default=1.0), "budget_of": "; ".join(w for _, w in short)}
-
-
 def cpu_paper(name: str, rounds: int, ablations: bool, tuned: bool) -> dict[str, rc.PaperClaim]:
     """The papers' claims for the CPU setting ``name`` run for ``rounds`` (``ablations``: the document has the T
     table the FEMNIST claim points to; ``tuned``: its rows run at tuned learning rates)."""
@@ -119,7 +112,7 @@ def cpu_paper(name: str, rounds: int, ablations: bool, tuned: bool) -> dict[str,
     t = f"T = {max(1, rounds // 2)} (scaled to {rounds} rounds)"
     if name == "fashion_mnist":
         # the papers' E = 1 passes a client's ~6,000 rows (60,000 over 10) per round; ours 20 steps of 32
-        fmnist = budget((rounds, 1000, f"rounds {rounds} of 1000"),
+        fmnist = rc.claim_budget((rounds, 1000, f"rounds {rounds} of 1000"),
                         (20 * 32, 6000, "local work 640 of about 6,000 samples per round (E = 1)"))
         return {
             "baseline": rc.PaperClaim(
@@ -148,7 +141,7 @@ def cpu_paper(name: str, rounds: int, ablations: bool, tuned: bool) -> dict[str,
             f"the 105-writer LEAF sample, 10 per round, 2 local epochs; {CNN}; {rounds} rounds; {t}{t_table}",
             # the least fraction (README.md): 2 local epochs of the paper's 5, though each writer's data is
             # passed ~38 times in 200 rounds against ~7.4 (heterogeneity_long.md)
-            baselines=FEDIMPRO_BASELINES, **budget((rounds, 101, f"rounds {rounds} of 101"),
+            baselines=FEDIMPRO_BASELINES, **rc.claim_budget((rounds, 101, f"rounds {rounds} of 101"),
                                                    (2, 5, "local epochs 2 of 5"))),
         "vhl": rc.PaperClaim(
             "VHL", "no FEMNIST setting in specs/vhl.md (CIFAR-10, FMNIST, SVHN, CIFAR-100)", None, None,

@@ -546,8 +546,7 @@ def claims(s: Setting) -> list[tuple[str, str, rc.PaperClaim]]:
         """The claim's budget: the least of the clients' local epochs against the paper's and each server-side
         budget (what, ours, the card's) as fractions; ``budget_of`` names every one that falls short."""
         parts = [(what, ours_local, paper_local), *server]
-        fracs = [(min(1.0, (o or 0) / p), f"{w} {o or 0:,} of {p:,}") for w, o, p in parts]
-        return {"budget": min(f for f, _ in fracs), "budget_of": "; ".join(t for f, t in fracs if f < 1)}
+        return rc.claim_budget(*((o or 0, p, f"{w} {o or 0:,} of {p:,}") for w, o, p in parts))
 
     def feddf(tag: str, name: str, setting: str) -> rc.PaperClaim:
         data = s.row("feddf" if tag == "feddf_card" else tag)  # the card-budget row distils on the held-out split
