@@ -579,6 +579,15 @@ def _set(key, value):
      r"t\.json: user 'a': cannot read 'x': it must hold JSON numbers, found None \(NoneType\)"),
     (lambda o: o["user_data"]["a"].update(x=[[True] * 784] * 3),
      r"t\.json: user 'a': cannot read 'x': it must hold JSON numbers, found True \(bool\)"),
+    # true/false among numbers: numpy reads [0.1, true] as floats, [1, false] as ints, without a word
+    (lambda o: o["user_data"]["b"]["x"][1].__setitem__(300, True),
+     r"t\.json: user 'b': cannot read 'x': it must hold JSON numbers, found True \(bool\)"),
+    (lambda o: o["user_data"]["a"].update(x=[[1] * 783 + [False]] * 3),
+     r"t\.json: user 'a': cannot read 'x': it must hold JSON numbers, found False \(bool\)"),
+    (lambda o: o["user_data"]["b"].update(y=[1, False]),
+     r"t\.json: user 'b' 'y': labels must be integer class ids written as JSON numbers, found False"),
+    (lambda o: o["user_data"]["b"].update(y=[True, False]),
+     r"t\.json: user 'b' 'y': labels must be integer class ids written as JSON numbers, found True \(bool\)"),
 ])
 def test_leaf_files_whose_parts_disagree_are_refused_naming_file_and_user(tmp_path, edit, message):
     _leaf_root(tmp_path, edit)

@@ -154,7 +154,7 @@ def read_leaf_split(
                 split.x[user] = convert_x(_numbers(data["x"]))
             except (ValueError, TypeError) as err:
                 raise ValueError(f"{path}: user {user!r}: cannot read 'x': {err}") from err
-            split.y[user] = class_ids(data["y"], f"{path}: user {user!r} 'y'")  # FedProx stores floats: 3.0 is 3
+            split.y[user] = _labels(data["y"], f"{path}: user {user!r} 'y'")  # FedProx's floats: 3.0 is 3
             if len(split.x[user]) != len(split.y[user]):
                 raise ValueError(
                     f"{path}: user {user!r} has {len(split.x[user])} inputs but {len(split.y[user])} labels"
@@ -166,13 +166,41 @@ def read_leaf_split(
 
 
 def _numbers(rows: Any) -> np.ndarray:
-    """A user's ``x`` as an array of the JSON numbers it holds; strings ("0.5"), null or true are refused
-    naming the first one (numpy would turn "0.5" into 0.5 and True into 1 without a word)."""
+    """A user's ``x`` as an array of the JSON numbers it holds; strings ("0.5"), null or true/false are
+    refused naming the first one (numpy would turn "0.5" into 0.5, and [0.1, true] into [0.1, 1.0], without
+    a word)."""
     x = np.asarray(rows)
-    if x.dtype.kind not in "iuf":
-        found = [f"{v!r} ({type(v).__name__})" for v in _non_numbers(rows)][:1] or [f"dtype {x.dtype}"]
-        raise ValueError(f"it must hold JSON numbers, found {found[0]}; write the values as numbers, not strings")
+    if x.dtype.kind not in "iuf" or _holds_bool(rows):
+        raise ValueError(f"it must hold JSON numbers, found {_first_non_number(rows, x)}; write the values "
+                         "as numbers, not strings, null or true/false")
     return x
+
+
+def _labels(y: Any, where: str) -> np.ndarray:
+    """A user's ``y`` as class ids (``class_ids``); JSON true/false among them is refused naming ``where``
+    and the value (Python's bool is an int: [1, false] would load as [1, 0])."""
+    if _holds_bool(y):
+        raise ValueError(f"{where}: labels must be integer class ids written as JSON numbers, found "
+                         f"{_first_non_number(y)}; write them as numbers, not true/false")
+    return class_ids(y, where)
+
+
+def _holds_bool(value: Any) -> bool:
+    """Whether nested lists hold a bool (JSON true/false) anywhere. Fast on FEMNIST's rows of 784 floats
+    (one C-level pass per row); nesting is uniform wherever numpy read them as a numeric array."""
+    if not isinstance(value, list):
+        return isinstance(value, bool)
+    if value and isinstance(value[0], list):
+        return any(map(_holds_bool, value))
+    return bool in set(map(type, value))
+
+
+def _first_non_number(values: Any, array: np.ndarray | None = None) -> str:
+    """The first entry of nested lists that is not a JSON number, as ``'0.5' (str)``, for messages (else
+    the dtype numpy read them as)."""
+    for value in _non_numbers(values):
+        return f"{value!r} ({type(value).__name__})"
+    return f"dtype {getattr(array, 'dtype', '?')}"
 
 
 def _non_numbers(value: Any) -> Any:
