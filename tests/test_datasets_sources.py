@@ -441,6 +441,16 @@ def test_cifar_corrupt_or_incomplete_batches_name_the_file(tmp_path):
         load_cifar10(root=tmp_path)
 
 
+def write_cifar100_root(root: Path) -> Path:
+    """A CIFAR-100 folder of 2-image train and test batches, without a meta file."""
+    folder = root / "cifar-100-python"
+    folder.mkdir(parents=True)
+    for name in ("train", "test"):
+        write_cifar_batch(folder / name, np.zeros((2, 3072), np.uint8),
+                          {b"fine_labels": [0, 1], b"coarse_labels": [0, 1]})
+    return folder
+
+
 @pytest.mark.parametrize("count", [9, 11])
 def test_a_cifar10_meta_file_with_another_number_of_class_names_is_refused(tmp_path, count):
     folder = write_cifar10_root(tmp_path, np.zeros((4, 3072), np.uint8), [0, 1, 2, 3])
@@ -454,15 +464,28 @@ def test_a_cifar10_meta_file_with_another_number_of_class_names_is_refused(tmp_p
                                                               ("coarse", b"coarse_label_names", 100, 20)])
 def test_a_cifar100_meta_file_with_another_number_of_class_names_is_refused(tmp_path, label_mode, key, count,
                                                                             classes):
-    folder = tmp_path / "cifar-100-python"
-    folder.mkdir()
-    for name in ("train", "test"):
-        write_cifar_batch(folder / name, np.zeros((2, 3072), np.uint8), {b"fine_labels": [0, 1], b"coarse_labels": [0, 1]})
+    folder = write_cifar100_root(tmp_path)
     with open(folder / "meta", "wb") as fh:
         pickle.dump({key: [f"n{i}".encode() for i in range(count)]}, fh, protocol=2)
     with pytest.raises(ValueError, match=rf"meta: '{label_mode}_label_names' has {count} class name\(s\) for "
                                          rf"{classes} classes"):
         load_cifar100(root=tmp_path, label_mode=label_mode)
+
+
+def test_a_cifar_meta_file_without_its_class_names_is_refused_and_no_meta_file_loads(tmp_path):
+    folder = write_cifar10_root(tmp_path / "10", np.zeros((4, 3072), np.uint8), [0, 1, 2, 3])
+    assert load_cifar10(root=tmp_path / "10").class_names is None  # no batches.meta: no names, as before
+    with open(folder / "batches.meta", "wb") as fh:  # the real file's other entries, without b"label_names"
+        pickle.dump({b"num_cases_per_batch": 10000, b"num_vis": 3072}, fh, protocol=2)
+    with pytest.raises(ValueError, match=r"batches\.meta: no 'label_names' entry \(it has "
+                                         r"'num_cases_per_batch', 'num_vis'\)"):
+        load_cifar10(root=tmp_path / "10")
+    folder = write_cifar100_root(tmp_path / "100")
+    with open(folder / "meta", "wb") as fh:  # fine names only: label_mode=coarse finds none
+        pickle.dump({b"fine_label_names": [f"f{i}".encode() for i in range(100)]}, fh, protocol=2)
+    assert load_cifar100(root=tmp_path / "100").class_names[99] == "f99"
+    with pytest.raises(ValueError, match=r"meta: no 'coarse_label_names' entry \(it has 'fine_label_names'"):
+        load_cifar100(root=tmp_path / "100", label_mode="coarse")
 
 
 def test_cifar_pickles_cannot_run_code(tmp_path):

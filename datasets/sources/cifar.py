@@ -96,11 +96,17 @@ def _labels(batch: dict[str, Any], key: str, path: Path) -> np.ndarray:
     return class_ids(_entry(batch, key, path), f"{path}: {key!r}")
 
 
-def _names(meta: dict[str, Any], key: str, num_classes: int, path: Path) -> list[str] | None:
-    """The class names of a meta file, one per class: a list of another length is refused, not cut or padded."""
-    names = meta.get(key)
-    if names is None:
+def _meta(path: Path) -> dict[str, Any] | None:
+    """The meta file's dict, or None when there is no meta file (the class names are then left unset)."""
+    return read_cifar_pickle(path) if path.is_file() else None
+
+
+def _names(meta: dict[str, Any] | None, key: str, num_classes: int, path: Path) -> list[str] | None:
+    """The class names of a meta file, one per class: a list of another length is refused, not cut or
+    padded; a meta file without ``key`` is refused naming it (another data set's?). No meta file: None."""
+    if meta is None:
         return None
+    names = _entry(meta, key, path)
     if not isinstance(names, (list, tuple, np.ndarray)):
         raise ValueError(f"{path}: {key!r} is {type(names).__name__}, expected a list of {num_classes} class names")
     if len(names) != num_classes:
@@ -165,7 +171,7 @@ def load_cifar10(
     parts = [(read_cifar_pickle(folder / f), folder / f) for f in train_files]
     test, test_path = read_cifar_pickle(folder / "test_batch"), folder / "test_batch"
     meta_path = folder / "batches.meta"
-    meta = read_cifar_pickle(meta_path) if meta_path.is_file() else {}
+    meta = _meta(meta_path)
     train_x = np.concatenate([_images(b, p) for b, p in parts])
     train_y = np.concatenate([_labels(b, "labels", p) for b, p in parts])
     return SourceData(
@@ -197,7 +203,7 @@ def load_cifar100(
         "cifar100", root, "cifar-100-python", ["train", "test"], download, _CIFAR100_URL, _CIFAR100_MD5
     )
     train, test = read_cifar_pickle(folder / "train"), read_cifar_pickle(folder / "test")
-    meta = read_cifar_pickle(folder / "meta") if (folder / "meta").is_file() else {}
+    meta = _meta(folder / "meta")
     key = f"{label_mode}_labels"
     num_classes = 100 if label_mode == "fine" else 20
     return SourceData(
