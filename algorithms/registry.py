@@ -17,6 +17,7 @@ registers its conf with Hydra). Code that is not installed is named directly:
 from __future__ import annotations
 
 import logging
+import sys
 
 from fl_platform.algorithms.base import AlgorithmSpec
 from fl_platform.plugins import ALGORITHM_ENTRY_POINTS, PluginError, entry_points, load, target_of
@@ -92,9 +93,7 @@ def check_spec(spec: AlgorithmSpec, where: str) -> None:
 
     from fl_platform.algorithms.base import AlgorithmConf, ClientAlgorithm, ServerAlgorithm
 
-    def name(obj: object) -> str:
-        return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', type(obj).__name__)}"
-
+    name = _qualified
     head = f"{where}: algorithm {spec.name!r}"
     conf, server = spec.conf, spec.server
     if not (inspect.isclass(conf) and dataclasses.is_dataclass(conf)):
@@ -142,13 +141,36 @@ def register_algorithm(spec: AlgorithmSpec, name: str | None = None) -> str:
         return name  # the built-in or installed algorithm itself: already an option under that name
     if name == PLUGIN or name in refs:
         raise ValueError(f"algorithm name {name!r} is taken (built-in or installed); give another name")
-    if _REGISTERED.get(name, spec) is not spec:
-        log.info("algorithm %s re-registered", name)
+    old = _REGISTERED.get(name, spec)
+    if old is not spec:  # another object under the name: algorithm=<name> now runs other code, say so
+        if old == spec:
+            log.debug("algorithm %r registered again with an equal spec (%s)", name, _described(spec))
+        else:
+            log.warning("algorithm %r re-registered: algorithm=%s now runs %s instead of %s", name, name,
+                        _described(spec), _described(old))
     _REGISTERED[name] = spec
     from fl_platform.config import register_algorithm_option
 
     register_algorithm_option(name, spec)
     return name
+
+
+def _qualified(obj: object) -> str:
+    """``module:QualName`` of a class or function, for messages."""
+    return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', type(obj).__name__)}"
+
+
+def _described(spec: AlgorithmSpec) -> str:
+    """``module:NAME`` of a spec that a module of its halves holds (``plugin_pkg.alg:SPEC``), else
+    ``AlgorithmSpec '<its name>'``, with the classes of its conf and halves: which code the name runs."""
+    path = f"AlgorithmSpec {spec.name!r}"
+    for module in dict.fromkeys(cls.__module__ for cls in (spec.server, spec.client, spec.conf)):
+        attr = next((a for a, v in list(vars(sys.modules.get(module, sys)).items()) if v is spec), None)
+        if attr is not None:
+            path = f"{module}:{attr}"
+            break
+    return (f"{path} (conf {_qualified(spec.conf)}, client {_qualified(spec.client)}, "
+            f"server {_qualified(spec.server)})")
 
 
 def _loads_as(ref: str, spec: AlgorithmSpec) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -283,6 +284,39 @@ def test_a_registered_spec_is_a_choice_and_can_be_dropped():
     assert name not in algorithm_names()
     with pytest.raises(Exception, match=rf"Could not find 'algorithm/{name}'"):
         compose_config(f"algorithm={name}")
+
+
+def test_another_spec_under_a_registered_name_is_a_warning_naming_both(caplog):
+    """It changes which code algorithm=<name> runs: a WARNING names the name and both specs. The same
+    spec again says nothing; an equal one (same classes and settings) only at DEBUG."""
+    from dataclasses import dataclass, replace
+
+    from plugin_pkg.alg import SPEC, ClipConf
+
+    @dataclass
+    class Tighter(ClipConf):
+        max_norm: float = 0.5
+
+    other = replace(SPEC, conf=Tighter)
+    name = register_algorithm(SPEC, "clip_twice")
+    try:
+        with caplog.at_level("DEBUG", logger="fl_platform.algorithms.registry"):
+            register_algorithm(SPEC, name)
+            assert caplog.records == []
+            register_algorithm(other, name)
+            assert get_algorithm(name) is other
+            [warning] = [r for r in caplog.records if r.levelno >= logging.INFO]
+            caplog.clear()
+            register_algorithm(replace(other), name)
+            assert [r.levelname for r in caplog.records] == ["DEBUG"]
+    finally:
+        unregister_algorithm(name)
+    assert warning.levelname == "WARNING"
+    new, old = warning.getMessage().split(" instead of ")
+    assert new.startswith("algorithm 'clip_twice' re-registered: algorithm=clip_twice now runs AlgorithmSpec "
+                          f"'{SPEC.name}' (conf {Tighter.__module__}:{Tighter.__qualname__}, client ")
+    assert old == (f"plugin_pkg.alg:SPEC (conf plugin_pkg.alg:ClipConf, client {SPEC.client.__module__}:"
+                   f"{SPEC.client.__qualname__}, server plugin_pkg.alg:{SPEC.server.__qualname__})")
 
 
 def test_the_tests_compose_cache_composes_afresh_once_the_config_store_changes():
