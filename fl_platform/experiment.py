@@ -145,6 +145,9 @@ def make_engine(run: RunConfig, setup: ExperimentSetup) -> Engine:
                             scheduler=enum_value(engine.scheduler), slow_worker=fault.slow_worker,
                             slow_factor=fault.slow_factor)
     if name == "ray":
+        from fl_platform.engine.ray_cluster import keep_local_ray_on_loopback
+
+        keep_local_ray_on_loopback(engine.address)  # (before Ray is imported)
         from fl_platform.engine.ray_engine import RayEngine
 
         return RayEngine(setup, engine)

@@ -105,6 +105,69 @@ def interrupted(run_dir, *overrides: str):
     return exp
 
 
+LOOPBACK_SCRIPT = """
+import json, os
+import psutil
+from fl_platform import api
+from fl_platform.experiment import build
+
+exp = build(api.compose(["engine=ray", "engine.num_workers=1", "rounds=1", "num_clients=4",
+                         "clients_per_round=2", "engine.threads_per_worker=1", "logger.progress=false"]))
+try:
+    import ray  # (after the engine: its first import decides the address)
+
+    pids = {p.pid for p in psutil.Process().children(recursive=True)}
+    listen = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.pid in pids}
+    print(json.dumps({"env": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"), "listen": sorted(listen),
+                      "nodes": [n["NodeManagerAddress"] for n in ray.nodes()]}))
+finally:
+    exp.engine.close()
+"""
+
+
+@pytest.mark.ray
+def test_a_ray_the_engine_starts_listens_on_loopback_only():
+    """Without engine.address the engine starts a local Ray; Ray has no authentication, so its
+    processes (GCS, raylet, workers) listen on 127.0.0.1 only, never on the machine's network
+    addresses (Ray's default on Linux), in a process whose environment does not say so."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="flr", dir="/tmp")  # short: Ray's socket paths live under it
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
+    env.update(RAY_TMPDIR=tmp, OMP_NUM_THREADS="1")
+    try:
+        proc = subprocess.run([sys.executable, "-c", LOOPBACK_SCRIPT], capture_output=True, text=True, timeout=300,
+                              env=env, cwd=REPO)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["env"] == "0" and row["nodes"] == ["127.0.0.1"], row
+    assert row["listen"] and set(row["listen"]) <= {"127.0.0.1", "::ffff:127.0.0.1"}, row
+
+
+@pytest.mark.parametrize("address,warned", [("127.0.0.1", False), ("::1", False), ("192.0.2.2", True)])
+def test_a_local_ray_on_a_network_address_is_reported(address, warned, caplog):
+    """When Ray was imported before the engine could keep it on loopback (a notebook), the Ray it starts
+    listens where Ray chose: the run says where, and how to prevent it."""
+    from types import SimpleNamespace
+
+    from fl_platform.engine.ray_cluster import warn_if_listening_beyond_loopback
+
+    fake = SimpleNamespace(get_runtime_context=lambda: SimpleNamespace(get_node_id=lambda: "n1"),
+                           nodes=lambda: [{"NodeID": "n0", "NodeManagerAddress": "10.0.0.9"},
+                                          {"NodeID": "n1", "NodeManagerAddress": address}])
+    with caplog.at_level("WARNING"):
+        warn_if_listening_beyond_loopback(fake)
+    assert (f"listens on {address}, not only on 127.0.0.1" in caplog.text) is warned
+    assert ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in caplog.text) is warned
+
+
 @pytest.mark.ray
 def test_checkpoint_parts_are_written_by_the_nodes_that_see_the_folder(ray_session, tmp_path, monkeypatch):
     """Every home worker whose node sees the checkpoint folder writes its own parts: on one node no client

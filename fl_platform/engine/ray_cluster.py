@@ -21,12 +21,22 @@ already runs one (then it joins that one and leaves it running).
 
 A runtime environment belongs to a job, which the engine creates only when it connects: when Ray
 was initialized before the engine (by this process), a mapping is refused instead of being ignored.
+
+A local Ray that the engine starts listens on 127.0.0.1 only: Ray has no authentication, and by
+default on Linux its processes listen on every interface, where any machine that reaches this one
+could run code in it. Ray decides its address when it is first imported, from
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` (0: loopback), so :func:`keep_local_ray_on_loopback` sets that
+before the engine imports Ray (unless the environment already says otherwise); a process that
+imported Ray earlier (a notebook) gets a warning naming the address it listens on.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
 import socket
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +46,35 @@ log = logging.getLogger(__name__)
 #: Never shipped (gitignore syntax, relative to the repository root; Ray also honours .gitignore).
 EXCLUDES = ["/.venv/", "/.git/", "/outputs/", "/multirun/", "/runs/", "/wandb/", "/data/", "/docs/results/",
             "__pycache__/", "*.pyc", "/.pytest_cache/", "/.ruff_cache/", "/.hypothesis/", "*.egg-info/"]
+
+
+#: Ray reads it once, when it is imported: "0" keeps every process of a Ray started here on 127.0.0.1.
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def keep_local_ray_on_loopback(address: str | None) -> None:
+    """Before the engine first imports Ray in this process: without ``engine.address`` (the engine starts
+    a local Ray, unless this process already runs one) that Ray listens on loopback only. The
+    environment variable is Ray's own switch and is left alone when set; it does not stop this process
+    from joining a cluster later (``engine.address``)."""
+    if address is None and "ray" not in sys.modules:
+        os.environ.setdefault(LOOPBACK_ENV, "0")
+
+
+def warn_if_listening_beyond_loopback(ray: Any) -> None:
+    """Warn when the Ray the engine just started listens on a network address (Ray was imported before
+    :func:`keep_local_ray_on_loopback` could act, or the environment asked for it)."""
+    node = ray.get_runtime_context().get_node_id()
+    (address,) = [n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node]
+    try:
+        loopback = ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        log.warning("the local Ray this run started listens on %s, not only on 127.0.0.1: Ray has no "
+                    "authentication, and any machine that reaches that address can run code here. Set "
+                    "%s=0 before Python imports Ray (the engine does when it imports Ray first)", address,
+                    LOOPBACK_ENV)
 
 
 def raw_value(cfg: Any, key: str, default: Any = None) -> Any:
@@ -115,4 +154,6 @@ def connect(cfg: Any) -> bool:
         log.info("Ray job runtime_env: %s", runtime_env)
     ray.init(address=address, runtime_env=runtime_env, include_dashboard=False,
              log_to_driver=False, configure_logging=True, logging_level=logging.WARNING)
+    if address is None:
+        warn_if_listening_beyond_loopback(ray)
     return True
