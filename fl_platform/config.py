@@ -281,6 +281,10 @@ class FaultInjectionConf:
 
     client: int | None = None
     round: int | None = None
+    # TEST ONLY: where in that round it exits: train (as it starts the client), merge (when the reduction
+    # tree asks it to add a partner's partial, after its result arrived) or commit (when the engine asks
+    # it to apply the round's new client states).
+    at: str = "train"
     # TEST ONLY: worker ``slow_worker`` (inline or Ray) sleeps (slow_factor - 1) x each client's
     # measured training time after it, so its clients really take slow_factor times as long.
     slow_worker: int | None = None

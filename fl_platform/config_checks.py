@@ -111,6 +111,11 @@ def check_run(run: RunConfig) -> None:
          f"must be >= 1 (or null: engine.cpus_per_worker, 1 inline), got {engine.threads_per_worker}"),
         (engine.fault_injection.client is None or plain(engine.name) == "ray", "engine.fault_injection",
          "is a test-only fault for Ray workers; it needs engine=ray"),
+        (engine.fault_injection.at in ("train", "merge", "commit"), "engine.fault_injection.at",
+         f"(test only) must be train, merge or commit, got {engine.fault_injection.at!r}"),
+        (engine.fault_injection.at == "train" or engine.fault_injection.client is not None,
+         "engine.fault_injection.at", "(test only) says when the worker of engine.fault_injection.client exits; "
+         "set that too"),
         (engine.fault_injection.slow_worker is not None or engine.fault_injection.slow_factor == 1.0,
          "engine.fault_injection.slow_factor", "slows the worker named by engine.fault_injection.slow_worker "
          "(test only); set that too, or leave slow_factor at 1.0"),

@@ -72,9 +72,13 @@ def report(case: str, ok: bool, detail: object = "") -> None:
     print(json.dumps({"case": case, "ok": bool(ok), "detail": detail}), flush=True)
 
 
-def run(*overrides: str, run_dir: Path | None = None, on_round: Callable | None = None):
-    """Build and run; returns (experiment, final weights, result rows) or raises the run's error."""
+def run(*overrides: str, run_dir: Path | None = None, on_round: Callable | None = None,
+        prepare: Callable | None = None):
+    """Build and run; returns (experiment, final weights, result rows) or raises the run's error.
+    ``prepare(exp)`` is called between the two."""
     exp = build(compose_config(*COMMON, *overrides), run_dir)
+    if prepare is not None:
+        prepare(exp)
     if on_round is not None:
         exp.simulation.reporter = _Hook(exp, on_round)
     try:
@@ -250,6 +254,37 @@ def cluster_cases(cluster, add_node, tmp: Path, nodes_root: Path, audit: Path) -
         ok, detail = same(got, refs["fedavg"])
         return ok and got[0].engine.restarts == 1, f"{detail}; restarts {got[0].engine.restarts}"
 
+    def lent_states_lost_with_their_node():
+        """Round 1, clients placed round-robin (so most train away from their homes), states of a 512-wide
+        MLP (object-store objects, not inside the replies): the node of a worker that trained lent clients
+        is lost after every result arrived, before their homes took the new states back. The round ends
+        with StateLost naming the worker (a rollback; here, with no checkpoint, the run stops); it used to
+        retry the homes' imports until engine.max_restarts and end with a RuntimeError."""
+        lost = {}
+
+        def prepare(exp):
+            finish = exp.engine._finish_round
+
+            def finish_round(ctx, lending):
+                if not lost:
+                    trainer = next(t for t in range(3) if any(lending.needs[h][t] for h in range(3) if h != t))
+                    lost["worker"], lost["node"] = trainer, remove_node_of(cluster, exp, trainer)
+                return finish(ctx, lending)
+
+            exp.engine._finish_round = finish_round
+
+        try:
+            run("algorithm=scaffold", *RAY3, "engine.state_store=distributed", "engine.scheduler=round_robin",
+                "model.hidden=[512]", "rounds=1", prepare=prepare)
+            return False, "the run finished although the lent states were lost"
+        except StateLost as err:
+            msg = str(err)
+            ok = (f"Ray workers [{lost['worker']}] died with node {lost['node'][:12]}" in msg
+                  and "held this round's new states, not yet applied" in msg and "no checkpoint" in msg)
+            return ok, msg[:600]
+        finally:
+            add_node(cluster)
+
     def node_folders_only():
         """Every access under the nodes' folders came from a process of that node, inside its own folder;
         the driver's run dir holds no client states."""
@@ -269,6 +304,7 @@ def cluster_cases(cluster, add_node, tmp: Path, nodes_root: Path, audit: Path) -
     case("node_lost_without_checkpoint_fails_naming_it", node_lost_without_checkpoint_fails)
     case("node_lost_recovers_from_checkpoint", node_lost_recovers_from_checkpoint)
     case("fedavg_node_lost_reruns_elsewhere", fedavg_node_lost_reruns_elsewhere)
+    case("lent_states_lost_with_their_node_stop_the_round", lent_states_lost_with_their_node)
     case("nodes_touch_only_their_own_folders", node_folders_only)
 
 

@@ -30,6 +30,7 @@ from .conftest import REPO
 CLUSTER_CASES = ["cluster_up", "fedavg_inline_equals_ray_3_nodes", "scaffold_node_local_disk_equals_inline",
                  "missing_state_names_the_client", "node_lost_without_checkpoint_fails_naming_it",
                  "node_lost_recovers_from_checkpoint", "fedavg_node_lost_reruns_elsewhere",
+                 "lent_states_lost_with_their_node_stop_the_round",
                  "nodes_touch_only_their_own_folders"]
 JOIN_CASES = ["cluster_up", "join_with_engine_address_ships_the_code"]
 

@@ -9,6 +9,7 @@ import torch
 from fl_platform.engine.faults import Faults, FaultyWorker
 from fl_platform.engine.worker import Worker
 from fl_platform.experiment import build
+from fl_platform.rounds.engine import StateLost
 from fl_platform.rounds.sampling import sample_clients
 from fl_platform.rounds.simulation import is_timing_key
 from fl_platform.training.loop import NonFiniteError
@@ -61,6 +62,143 @@ def test_a_worker_that_dies_before_holding_any_state_loses_nothing(ray_session):
     assert faulty.engine.restarts == 1 and faulty.engine.state_backend == "memory"
     assert float((faulty.simulation.server.weights - clean.simulation.server.weights).abs().max()) <= 1e-6
     assert results(faulty) == results(clean)
+
+
+def round1_client(on_worker: int | None = None) -> int:
+    """A client of round 1 (on the given home worker of two, which the scheduler prefers)."""
+    clients = sample_clients(0, 0, 100, 12)
+    return next(c for c in clients[4:] if on_worker is None or c % 2 == on_worker)
+
+
+@pytest.mark.ray
+def test_a_worker_that_dies_before_applying_its_states_in_memory_stops_the_round(ray_session):
+    """Its result arrived, its new states were staged in its memory and died with it before the engine
+    asked it to apply them: the round ends with StateLost (a rollback to the last checkpoint, or here,
+    with none, the run stops). It used to go on as if they were applied, until a later round missed them."""
+    with pytest.raises(StateLost, match=r"held this round's new states, not yet applied.*no checkpoint"):
+        run("engine=ray", "engine.num_workers=2", "algorithm=scaffold", "engine.state_store=memory", "rounds=1",
+            f"engine.fault_injection.client={round1_client()}", "engine.fault_injection.round=1",
+            "engine.fault_injection.at=commit")
+
+
+@pytest.mark.ray
+def test_a_worker_that_dies_before_applying_its_states_on_disk_is_completed(ray_session):
+    """The same death with node-local files: the staged states survive on the node, the new actor applies
+    them, and the result equals the fault-free one."""
+    overrides = ("algorithm=scaffold", "engine.state_store=distributed")
+    clean = run(*overrides)
+    faulty = run("engine=ray", "engine.num_workers=2", *overrides, f"engine.fault_injection.client={round1_client()}",
+                 "engine.fault_injection.round=1", "engine.fault_injection.at=commit")
+    assert faulty.engine.restarts == 1
+    assert float((faulty.simulation.server.weights - clean.simulation.server.weights).abs().max()) <= 1e-6
+    assert results(faulty) == results(clean)
+
+
+@pytest.mark.ray
+def test_a_worker_lost_in_the_reduction_tree_reruns_the_round(ray_session):
+    """SCAFFOLD's partial aggregates (2 x 9,610 float64) are reduced among the workers: worker 0 dies
+    when asked to add worker 1's, after its own result arrived. The round runs again on both, states in
+    memory included (nothing was applied), and equals the fault-free one."""
+    overrides = ("algorithm=scaffold", "engine.state_store=memory")
+    clean = run(*overrides)
+    faulty = run("engine=ray", "engine.num_workers=2", *overrides, f"engine.fault_injection.client={round1_client(0)}",
+                 "engine.fault_injection.round=1", "engine.fault_injection.at=merge")
+    assert faulty.engine.tree and faulty.engine.restarts == 1
+    assert float((faulty.simulation.server.weights - clean.simulation.server.weights).abs().max()) <= 1e-6
+    assert results(faulty) == results(clean)
+
+
+@pytest.mark.ray
+def test_a_worker_that_died_after_its_result_reruns_with_the_failed_one(ray_session):
+    """Two deaths in one round: one worker dies training (fault injection), the other after its result
+    arrived (killed here before the engine looks). Its new states were in its memory: both rerun, and
+    the result equals the fault-free one (the second used to be left out of the rerun, its states lost)."""
+    import ray
+
+    overrides = ("algorithm=scaffold", "engine.state_store=memory", "model.hidden=[8]")
+    clean = run(*overrides)
+    exp = build(compose_config(*COMMON, "engine=ray", "engine.num_workers=2", *overrides,
+                               f"engine.fault_injection.client={round1_client()}", "engine.fault_injection.round=1"))
+    collect, killed = exp.engine._collect, []
+
+    def collect_then_kill(refs, results_, arrived, t_submit):
+        failed = collect(refs, results_, arrived, t_submit)
+        if failed and not killed:
+            (other,) = set(range(2)) - failed
+            assert results_[other] is not None and results_[other].states_written
+            ray.kill(exp.engine.pool[other], no_restart=True)
+            killed.append(other)
+        return failed
+
+    exp.engine._collect = collect_then_kill
+    try:
+        assert not exp.engine.tree
+        exp.simulation.run()
+    finally:
+        exp.engine.close()
+    assert killed and exp.engine.restarts == 2
+    assert float((exp.simulation.server.weights - clean.simulation.server.weights).abs().max()) <= 1e-6
+    assert results(exp) == results(clean)
+
+
+def test_fault_injection_at_is_checked():
+    with pytest.raises(ValueError, match=r"engine\.fault_injection\.at.*train, merge or commit"):
+        build(compose_config(*COMMON, "engine=ray", "engine.fault_injection.client=3", "engine.fault_injection.at=late"))
+    with pytest.raises(ValueError, match=r"engine\.fault_injection\.at.*set that too"):
+        build(compose_config(*COMMON, "engine.fault_injection.at=commit"))
+
+
+def test_explicit_evaluation_on_cuda_without_cuda_stops_the_run(caplog):
+    """engine.eval_device=cuda on a driver that cannot use CUDA is an error naming the key (it used to
+    evaluate on the CPU with a warning); auto, which the workers' GPUs chose, still falls back."""
+    from fl_platform.engine.ray_engine import driver_cuda_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this process has CUDA")
+    with pytest.raises(RuntimeError, match=r"engine\.eval_device=cuda: Ray holds GPU 1 .*engine\.eval_device=cpu"):
+        driver_cuda_device(1, "cuda")
+    with caplog.at_level("WARNING"):
+        assert driver_cuda_device(1, "auto") == torch.device("cpu")
+    assert "evaluating on the CPU" in caplog.text
+
+
+def test_the_pool_lets_every_live_worker_close_before_killing_any():
+    """ActorPool.close: a dead worker's failed close does not cut short the others' (each removes its
+    node's state folder); every close is awaited on its own, then every actor is killed."""
+    from fl_platform.engine.ray_actors import ActorPool
+
+    class Ref:
+        def __init__(self, name: str, dead: bool) -> None:
+            self.name, self.dead, self.done = name, dead, False
+
+        def result(self) -> None:
+            self.done = True
+            if self.dead:
+                raise ConnectionError(f"{self.name} died")
+
+    class Actor:
+        def __init__(self, name: str, dead: bool = False) -> None:
+            self.ref = Ref(name, dead)
+            self.close = type("Method", (), {"remote": lambda _: self.ref})()
+
+    killed: dict[str, bool] = {}
+
+    class FakeRay:  # a ref completes when it is waited for or got: a get of a list stops at its first error
+        def wait(self, refs, num_returns, timeout):
+            for r in refs:
+                r.done = True
+            return list(refs), []
+
+        def get(self, refs, timeout=None):
+            return [r.result() for r in refs] if isinstance(refs, list) else refs.result()
+
+        def kill(self, actor, no_restart=True):
+            killed[actor.ref.name] = actor.ref.done
+
+    pool = ActorPool.__new__(ActorPool)  # the actors only: no cluster
+    pool._ray, pool.actors = FakeRay(), [Actor("w0", dead=True), Actor("w1"), Actor("w2")]
+    pool.close()
+    assert killed == {"w0": True, "w1": True, "w2": True} and pool.actors == []
 
 
 def test_faults_live_outside_the_production_worker():

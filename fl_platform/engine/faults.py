@@ -8,7 +8,9 @@ hold no test code.
 * ``client``/``round``: the worker's process exits (``os._exit``, like an OOM kill: no cleanup,
   no exception) when it starts training that client in that round (any round when None), in its
   first incarnation only, so that the replacement actor's rerun succeeds (Ray only: the recovery
-  under test is the Ray engine's).
+  under test is the Ray engine's). ``at`` moves the exit later in the round, after the worker's
+  result has reached the driver: ``merge`` when the reduction tree asks that worker to add a
+  partner's partial aggregate, ``commit`` when the engine asks it to apply the round's new states.
 * ``slow_worker``/``slow_factor``: that worker sleeps ``slow_factor - 1`` times each client's
   measured time after training it, and reports the client as that much slower, like slower
   hardware (the scheduler's tests and ``scripts/bench/scheduler.py``); results are unchanged.
@@ -29,6 +31,9 @@ from fl_platform.engine.worker import Worker, _Round
 
 log = logging.getLogger(__name__)
 
+#: Where in a round the worker that trains ``Faults.client`` exits (``engine.fault_injection.at``).
+AT = ("train", "merge", "commit")
+
 
 @dataclass(frozen=True)
 class Faults:
@@ -36,6 +41,7 @@ class Faults:
 
     client: int | None = None
     round: int | None = None
+    at: str = "train"
     slow_worker: int | None = None
     slow_factor: float = 1.0
 
@@ -52,9 +58,11 @@ class Faults:
         if slow_worker is not None and not 0 <= int(slow_worker) < num_workers:
             raise ValueError(f"engine.fault_injection.slow_worker={slow_worker} names no worker: the run has "
                              f"engine.num_workers={num_workers} (ids 0..{num_workers - 1})")
-        round_ = conf_value(conf, "round")
+        round_, at = conf_value(conf, "round"), str(conf_value(conf, "at", "train"))
+        if at not in AT:
+            raise ValueError(f"engine.fault_injection.at must be one of {', '.join(AT)}, got {at!r}")
         return cls(client=None if client is None else int(client),
-                   round=None if round_ is None else int(round_) - 1,
+                   round=None if round_ is None else int(round_) - 1, at=at,
                    slow_worker=None if slow_worker is None else int(slow_worker),
                    slow_factor=float(conf_value(conf, "slow_factor", 1.0)))
 
@@ -68,14 +76,19 @@ class FaultInjection:
     def __init__(self, *args: Any, faults: Faults, incarnation: int = 0, **kwargs: Any) -> None:
         self.faults = faults
         self.incarnation = incarnation
+        self._doomed: int | None = None  # the round whose ``faults.at`` step this worker exits at
         super().__init__(*args, **kwargs)
+
+    def _exit(self, what: str, round: int) -> None:
+        log.warning("fault injection: worker %d exits %s in round %d", self.worker_id, what, round + 1)
+        os._exit(17)
 
     def _train_one(self, ctx: RoundContext, bc: Broadcast, client_ids: list[int], i: int, acc: _Round) -> float:
         f, cid = self.faults, client_ids[i]
         if f.client == cid and self.incarnation == 0 and f.round in (None, ctx.round):
-            log.warning("fault injection: worker %d exits on client %d in round %d", self.worker_id, cid,
-                        ctx.round + 1)
-            os._exit(17)
+            if f.at == "train":
+                self._exit(f"on client {cid}", ctx.round)
+            self._doomed = ctx.round
         seconds = super()._train_one(ctx, bc, client_ids, i, acc)  # type: ignore[misc]
         if f.slow_worker != self.worker_id or f.slow_factor == 1.0:
             return seconds
@@ -90,3 +103,13 @@ class FaultyWorker(FaultInjection, Worker):
 
 class FaultyRayWorker(FaultInjection, RayWorker):
     """A Ray actor with ``engine.fault_injection`` (``engine=ray``)."""
+
+    def merge(self, own: Any, other: Any, last: bool) -> Any:
+        if self.faults.at == "merge" and self._doomed is not None:
+            self._exit("when asked to merge partial aggregates", self._doomed)
+        return super().merge(own, other, last)
+
+    def commit_round(self, round: int) -> int:
+        if self.faults.at == "commit" and self._doomed == round:
+            self._exit("when asked to apply its new client states", round)
+        return super().commit_round(round)

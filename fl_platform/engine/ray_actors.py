@@ -417,12 +417,20 @@ class ActorPool:
                 f"engine.cpus_per_worker={cpus:g} and {gpus:g} GPUs. Declare resources so that the nodes that "
                 f"remain after a loss can host all engine.num_workers workers.")
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60.0) -> None:
+        """Every live actor closes (its node folder removed) before any is killed: each close is awaited
+        on its own, so a dead actor does not cut the others' short (closing must not hide the run's own
+        outcome: failures are logged)."""
         ray = self._ray
-        try:
-            ray.get([a.close.remote() for a in self.actors], timeout=60)
-        except Exception as err:  # closing must not hide the run's own outcome
-            log.warning("closing Ray workers: %s", err)
+        refs = [a.close.remote() for a in self.actors]
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as err:
+                log.warning("closing Ray worker %d: %s", refs.index(ref), err)
+        if pending:
+            log.warning("Ray workers %s did not close within %g s", sorted(refs.index(r) for r in pending), timeout)
         for a in self.actors:
             ray.kill(a, no_restart=True)
         self.actors = []

@@ -81,12 +81,17 @@ INLINE_RETURN_BYTES = 100 * 1024
 PART_BYTES = 64 * 2**20
 
 
-def driver_cuda_device(gpu: int) -> torch.device:
-    """This process's torch device for the physical GPU ``gpu`` of its node (as Ray numbers them), or the
-    CPU when this process has no CUDA (Ray's GPUs only declared, as in tests)."""
+def driver_cuda_device(gpu: int, setting: str = "auto") -> torch.device:
+    """This process's torch device for the physical GPU ``gpu`` of its node (as Ray numbers them). When this
+    process has no CUDA: ``engine.eval_device=cuda`` stops the run (asked for, and not there), ``auto`` (the
+    workers' GPUs chose it) evaluates on the CPU with a warning."""
     import os
 
     if not torch.cuda.is_available():
+        if setting == "cuda":
+            raise RuntimeError(f"engine.eval_device=cuda: Ray holds GPU {gpu} of the driver's node for the "
+                               f"evaluation, but this process cannot use CUDA (torch {torch.__version__}, "
+                               f"torch.version.cuda={torch.version.cuda}); set engine.eval_device=cpu or worker")
         log.warning("Ray holds GPU %d for the driver's evaluation, but this process has no CUDA: evaluating "
                     "on the CPU", gpu)
         return torch.device("cpu")
@@ -172,7 +177,7 @@ class RayEngine(Engine):
         self.eval_device = torch.device("cpu")  # cpu, or auto with CPU workers: the driver's CPU
         if self.placement.eval_gpus:
             self._eval_slot, gpu = hold_eval_gpu(self.placement.eval_gpus, self.start_timeout_s, self.group)
-            self.eval_device = driver_cuda_device(gpu)
+            self.eval_device = driver_cuda_device(gpu, eval_setting)
         num_workers = self.num_workers = self.placement.num_workers
         self.max_restarts = int(conf_value(cfg, "max_restarts", 3))
         self.shared = bool(conf_value(cfg, "state_dir_shared", False))
@@ -227,6 +232,7 @@ class RayEngine(Engine):
         self._loaded: dict[str, Any] | None = None  # a checkpoint's client_states, until restore_state
         self._lost: str | None = None  # why states were lost: no round runs until restore_state
         self._stats: dict[str, Any] = {}
+        self._arrived: list[WorkerResult | None] = []  # the round in flight's results, until applied
         self.checkpoint_driver_bytes: int | None = None  # client-state bytes the last checkpoint sent through the driver
         self.restore_driver_bytes: int | None = None  # and the last restore (resume, rollback) read on the driver
 
@@ -252,25 +258,51 @@ class RayEngine(Engine):
 
     # ------------------------------------------------------------------ faults
 
-    def _recover(self, reason: str) -> None:
-        """Replace every dead actor; raise StateLost when client states died with one of them."""
+    def _recover(self, reason: str, rerun: bool = False) -> list[int]:
+        """Replace every dead actor; raise StateLost when client states died with one of them. Returns
+        the dead workers' ids. ``rerun``: the caller reruns every dead worker's share of the round in
+        flight, so the new states of one whose result had arrived are made again, not lost."""
         dead = self.pool.dead()
         alive_nodes = self.pool.alive_nodes()
         lost_node = {w for w in dead if self.pool.nodes[w] not in alive_nodes}
         names = {w: self.pool.node_name(w) for w in dead}
         for w in dead:
             self.pool.restart(w, f"{reason}, {names[w]} lost" if w in lost_node else reason)
+            if rerun and self._arrived:
+                self._arrived[w] = None
         if not self.stateful or self.shared:
-            return
+            return dead
         # A worker's states are gone with it when they lived in its memory or on its lost node, and only
-        # if it is home to a client with a committed state (a crash in round 1 loses nothing: rerun it).
+        # if it holds some: it is home to a client with a committed state (a crash in round 1 loses
+        # nothing: rerun it), or its result arrived and the new states it staged are not yet applied.
+        # The new states of clients it trained for other homes wait as objects on its node: lost with
+        # the node only.
         homes = {home_worker(c, self.num_workers) for c in self.manifest.rounds}
-        lost = [w for w in dead if (w in lost_node or self.state_backend == "memory") and w in homes]
+        staged, lent = self._uncommitted()
+        lost = [w for w in dead if ((w in lost_node or self.state_backend == "memory") and w in homes | staged)
+                or (w in lost_node and w in lent)]
         if lost:
             where = "in memory" if self.state_backend == "memory" else "in node-local files"
             nodes = sorted({names[w] for w in lost if w in lost_node})
+            pending = sorted(set(lost) & (staged | lent))
             self._mark_lost(f"{reason}: Ray workers {lost} died{' with ' + ', '.join(nodes) if nodes else ''}; "
-                            f"the client states they kept {where} are gone")
+                            f"the client states they kept {where} are gone"
+                            + (f" (workers {pending} held this round's new states, not yet applied)" if pending
+                               else ""))
+        return dead
+
+    def _uncommitted(self) -> tuple[set[int], set[int]]:
+        """(workers whose result arrived with new states of their own clients, staged on them and not yet
+        applied; workers whose result holds new states of clients homed elsewhere, not yet returned home),
+        for the round in flight (``_arrived``)."""
+        staged: set[int] = set()
+        lent: set[int] = set()
+        for w, result in enumerate(self._arrived):
+            if result is None:
+                continue
+            for cid in result.states_written:
+                (lent if self.lend and home_worker(cid, self.num_workers) != w else staged).add(w)
+        return staged, lent
 
     def _mark_lost(self, message: str, cause: BaseException | None = None) -> None:
         self._lost = message
@@ -314,12 +346,21 @@ class RayEngine(Engine):
     def run_round(self, ctx: RoundContext, broadcast: Broadcast) -> list[WorkerResult]:
         if self._lost is not None:
             raise StateLost(f"{self._lost}; the engine needs restore_state (a checkpoint) before another round")
-        ray = self._ray
         t0 = time.perf_counter()
         plan = self.scheduler.plan(ctx.clients)
         lending = Lending(plan.assignment, self.num_workers) if self.lend else None
         expect = [self.manifest.expected(clients) if self.stateful else None for clients in plan.assignment]
         results: list[WorkerResult | None] = [None] * self.num_workers
+        self._arrived = results  # (until the round's states are applied: _recover's states at risk)
+        try:
+            return self._run_round(ctx, broadcast, plan, lending, expect, results, t0)
+        finally:
+            self._arrived = []
+
+    def _run_round(self, ctx: RoundContext, broadcast: Broadcast, plan: Any, lending: Lending | None,
+                   expect: list[dict[int, int] | None], results: list[WorkerResult | None],
+                   t0: float) -> list[WorkerResult]:
+        ray = self._ray
         # A small broadcast travels inside each worker's call; a large one is put into the object
         # store once and every worker reads the same copy.
         bc_ref = ray.put(Packed(broadcast)) if broadcast.nbytes() > INLINE_BYTES else None
@@ -344,8 +385,13 @@ class RayEngine(Engine):
             if attempt == self.max_restarts:
                 raise RuntimeError(f"round {ctx.round + 1}: Ray workers {sorted(failed)} kept failing after "
                                    f"{self.max_restarts} restarts (engine.max_restarts)")
-            self._recover(f"round {ctx.round + 1}")
-            todo = sorted(failed)
+            for w in failed:
+                results[w] = None
+            # A worker that died after its result arrived is rerun too (_recover clears its result): its
+            # new states, staged on it or waiting on its node for their homes, may have died with it, and
+            # nothing of the round is applied yet. Every worker without a result runs its share again.
+            self._recover(f"round {ctx.round + 1}", rerun=True)
+            todo = [w for w, result in enumerate(results) if result is None]
         t_commit = time.perf_counter()
         self._finish_round(ctx, lending)
         done = [r for r in results if r is not None]
