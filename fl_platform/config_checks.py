@@ -107,12 +107,14 @@ def check_run(run: RunConfig) -> None:
          f"worker evaluates on a Ray worker's device and needs engine=ray; engine={plain(engine.name)} evaluates "
          f"in its own process (auto: on engine.device)"),
         (engine.start_timeout_s > 0, "engine.start_timeout_s", f"must be > 0, got {engine.start_timeout_s}"),
+        (engine.round_timeout_s is None or engine.round_timeout_s > 0, "engine.round_timeout_s",
+         f"must be > 0 seconds (or null: no limit), got {engine.round_timeout_s}"),
         (engine.threads_per_worker is None or engine.threads_per_worker >= 1, "engine.threads_per_worker",
          f"must be >= 1 (or null: engine.cpus_per_worker, 1 inline), got {engine.threads_per_worker}"),
         (engine.fault_injection.client is None or plain(engine.name) == "ray", "engine.fault_injection",
          "is a test-only fault for Ray workers; it needs engine=ray"),
-        (engine.fault_injection.at in ("train", "merge", "commit"), "engine.fault_injection.at",
-         f"(test only) must be train, merge or commit, got {engine.fault_injection.at!r}"),
+        (engine.fault_injection.at in ("train", "hang", "merge", "commit"), "engine.fault_injection.at",
+         f"(test only) must be train, hang, merge or commit, got {engine.fault_injection.at!r}"),
         (engine.fault_injection.at == "train" or engine.fault_injection.client is not None,
          "engine.fault_injection.at", "(test only) says when the worker of engine.fault_injection.client exits; "
          "set that too"),
@@ -335,6 +337,8 @@ def check_cluster_keys(run: RunConfig) -> None:
          "bounds how long Ray workers may take to start; it needs engine=ray"),
         (ray or engine.max_restarts == base.max_restarts, "engine.max_restarts",
          "restarts dead Ray workers; it needs engine=ray"),
+        (ray or engine.round_timeout_s is None, "engine.round_timeout_s",
+         "replaces hung Ray workers; it needs engine=ray (inline workers run in this process)"),
         (ray or engine.cpus_per_worker == base.cpus_per_worker, "engine.cpus_per_worker",
          "is each Ray worker's CPU reservation; it needs engine=ray (inline: engine.threads_per_worker)"),
         (ray or engine.gpus_per_worker == base.gpus_per_worker, "engine.gpus_per_worker",
@@ -410,7 +414,7 @@ RESUME_FREE_KEYS = ("resume", "checkpoint_every", "logger.", "eval_batch_size", 
                     "engine.device", "engine.cpus_per_worker", "engine.gpus_per_worker", "engine.threads_per_worker",
                     "engine.max_restarts", "engine.scheduler_smoothing", "engine.address", "engine.fault_injection",
                     "engine.state_cache_mb", "engine.state_fsync", "engine.cohort_size", "engine.eval_device",
-                    "engine.start_timeout_s",
+                    "engine.start_timeout_s", "engine.round_timeout_s",
                     "engine.runtime_env", "engine.state_dir_shared", "engine.scheduler")
 
 

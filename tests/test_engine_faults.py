@@ -141,8 +141,35 @@ def test_a_worker_that_died_after_its_result_reruns_with_the_failed_one(ray_sess
     assert results(exp) == results(clean)
 
 
+@pytest.mark.ray
+def test_a_hung_worker_is_killed_after_the_round_timeout_and_its_clients_rerun(ray_session, caplog):
+    """engine.round_timeout_s: a worker that sends no result in time (here it sleeps at a client of
+    round 2) is killed, replaced on its node and its share rerun; the result equals the fault-free one
+    (the states on disk survive its process). Without the key the driver would wait for an hour."""
+    victim = sample_clients(0, 1, 100, 12)[5]
+    overrides = ("algorithm=scaffold", "engine.state_store=distributed")
+    clean = run(*overrides)
+    with caplog.at_level("WARNING", logger="fl_platform.engine"):
+        faulty = run("engine=ray", "engine.num_workers=2", *overrides, "engine.round_timeout_s=10",
+                     f"engine.fault_injection.client={victim}", "engine.fault_injection.round=2",
+                     "engine.fault_injection.at=hang")
+    assert faulty.engine.restarts == 1
+    assert "sent no result within engine.round_timeout_s=10 s" in caplog.text
+    assert float((faulty.simulation.server.weights - clean.simulation.server.weights).abs().max()) <= 1e-6
+    assert results(faulty) == results(clean)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("engine.round_timeout_s=5",), r"engine\.round_timeout_s.*needs engine=ray"),
+    (("engine=ray", "engine.round_timeout_s=0"), r"engine\.round_timeout_s.*must be > 0"),
+])
+def test_the_round_timeout_is_checked(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        build(compose_config(*COMMON, *overrides))
+
+
 def test_fault_injection_at_is_checked():
-    with pytest.raises(ValueError, match=r"engine\.fault_injection\.at.*train, merge or commit"):
+    with pytest.raises(ValueError, match=r"engine\.fault_injection\.at.*train, hang, merge or commit"):
         build(compose_config(*COMMON, "engine=ray", "engine.fault_injection.client=3", "engine.fault_injection.at=late"))
     with pytest.raises(ValueError, match=r"engine\.fault_injection\.at.*set that too"):
         build(compose_config(*COMMON, "engine.fault_injection.at=commit"))

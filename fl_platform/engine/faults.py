@@ -10,7 +10,8 @@ hold no test code.
   first incarnation only, so that the replacement actor's rerun succeeds (Ray only: the recovery
   under test is the Ray engine's). ``at`` moves the exit later in the round, after the worker's
   result has reached the driver: ``merge`` when the reduction tree asks that worker to add a
-  partner's partial aggregate, ``commit`` when the engine asks it to apply the round's new states.
+  partner's partial aggregate, ``commit`` when the engine asks it to apply the round's new states;
+  ``hang`` makes it sleep (an hour) at that client instead, for ``engine.round_timeout_s``.
 * ``slow_worker``/``slow_factor``: that worker sleeps ``slow_factor - 1`` times each client's
   measured time after training it, and reports the client as that much slower, like slower
   hardware (the scheduler's tests and ``scripts/bench/scheduler.py``); results are unchanged.
@@ -31,8 +32,10 @@ from fl_platform.engine.worker import Worker, _Round
 
 log = logging.getLogger(__name__)
 
-#: Where in a round the worker that trains ``Faults.client`` exits (``engine.fault_injection.at``).
-AT = ("train", "merge", "commit")
+#: A hung worker's sleep: longer than any test waits (engine.round_timeout_s kills it first).
+HANG_S = 3600.0
+#: Where in a round the worker that trains ``Faults.client`` exits, or hangs (``engine.fault_injection.at``).
+AT = ("train", "hang", "merge", "commit")
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,10 @@ class FaultInjection:
         if f.client == cid and self.incarnation == 0 and f.round in (None, ctx.round):
             if f.at == "train":
                 self._exit(f"on client {cid}", ctx.round)
+            if f.at == "hang":
+                log.warning("fault injection: worker %d hangs on client %d in round %d", self.worker_id, cid,
+                            ctx.round + 1)
+                time.sleep(HANG_S)
             self._doomed = ctx.round
         seconds = super()._train_one(ctx, bc, client_ids, i, acc)  # type: ignore[misc]
         if f.slow_worker != self.worker_id or f.slow_factor == 1.0:

@@ -180,6 +180,8 @@ class RayEngine(Engine):
             self.eval_device = driver_cuda_device(gpu, eval_setting)
         num_workers = self.num_workers = self.placement.num_workers
         self.max_restarts = int(conf_value(cfg, "max_restarts", 3))
+        timeout = conf_value(cfg, "round_timeout_s")
+        self.round_timeout_s = None if timeout is None else float(timeout)
         self.shared = bool(conf_value(cfg, "state_dir_shared", False))
         options = dict(setup.state_options)
         if self.shared:  # one folder that every node sees
@@ -453,11 +455,20 @@ class RayEngine(Engine):
 
     def _collect(self, refs: dict[int, Any], results: list, arrived: list[float], t_submit: float) -> set[int]:
         """The results into ``results`` as they arrive (``arrived[w]``: seconds since ``t_submit``);
-        returns the ids of workers whose actor (or a home it needed) died."""
+        returns the ids of workers whose actor (or a home it needed) died, or that hung: still without
+        a result ``engine.round_timeout_s`` after ``t_submit``, they are killed (then replaced as dead)."""
         failed: set[int] = set()
         pending = {ref: w for w, ref in refs.items()}
         while pending:
-            ready, _ = self._ray.wait(list(pending), num_returns=1)
+            left = None if self.round_timeout_s is None else self.round_timeout_s - (time.perf_counter() - t_submit)
+            ready, _ = self._ray.wait(list(pending), num_returns=1, timeout=None if left is None else max(left, 0.0))
+            if not ready:
+                hung = sorted(pending.values())
+                log.warning("Ray workers %s sent no result within engine.round_timeout_s=%g s: killing them, to "
+                            "replace them and rerun their clients", hung, self.round_timeout_s)
+                for w in hung:
+                    self._ray.kill(self.pool[w], no_restart=True)
+                return failed | set(hung)
             for ref in ready:
                 w = pending.pop(ref)
                 arrived[w] = time.perf_counter() - t_submit
