@@ -66,11 +66,14 @@ def compose(overrides: Sequence[str] = (), *, model: Any = None, data: Any = Non
     ``algorithm=`` beside ``algorithm=``, ``callbacks=[...]`` beside ``callbacks=``) is refused
     naming both: neither would win silently."""
     from fl_platform.config import compose as compose_config
+    from fl_platform.plugins import hold_for
 
     overrides = _override_list(overrides)
     given = overrides_for(model=model, data=data, partition=partition, algorithm=algorithm, callbacks=callbacks)
     _refuse_conflicts(overrides, given)
-    return compose_config([*overrides, *given])
+    cfg = compose_config([*overrides, *given])
+    hold_for(cfg, given.held)  # its object: references resolve while cfg (or the Result holding it) is kept
+    return cfg
 
 
 def run(overrides: Sequence[str] = (), *, model: Any = None, data: Any = None, partition: Any = None,
@@ -146,9 +149,18 @@ def run_config(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -
 # ---------------------------------------------------------------- objects -> overrides
 
 
+class _Overrides(list[str]):
+    """Overrides, with ``held``: what keeps their ``object:`` references resolvable (plugins.object_ref)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[Any] = []
+
+
 def overrides_for(model: Any = None, data: Any = None, partition: Any = None, algorithm: Any = None,
-                  callbacks: Sequence[Any] = ()) -> list[str]:
-    """The Hydra overrides that make the run use these objects.
+                  callbacks: Sequence[Any] = ()) -> _Overrides:
+    """The Hydra overrides that make the run use these objects; the objects they name by an ``object:``
+    reference stay loadable while the returned list is kept (:func:`compose` ties them to its config).
 
     * ``model``: an ``nn.Module`` subclass or a function returning a module, called with
       ``input_shape``/``num_classes`` when it takes them (fl_platform/models/custom.py); or a name.
@@ -162,7 +174,8 @@ def overrides_for(model: Any = None, data: Any = None, partition: Any = None, al
     from fl_platform.algorithms.registry import register_algorithm
     from fl_platform.plugins import object_ref
 
-    out: list[str] = []
+    out = _Overrides()
+    held = out.held
     if isinstance(model, str):
         out.append(f"model={model}")
     elif model is not None:
@@ -172,7 +185,7 @@ def overrides_for(model: Any = None, data: Any = None, partition: Any = None, al
             raise TypeError(f"model must be an nn.Module class, a function returning one, or a model name; "
                             f"got a {type(model).__name__} (pass the class or a factory, not an instance: "
                             "every client and worker builds its own)")
-        out += ["model=custom", f"model._target_={_quote(object_ref(model))}"]
+        out += ["model=custom", f"model._target_={_quote(object_ref(model, held))}"]
     groups: list[np.ndarray] | None = None
     if isinstance(partition, str):
         out.append(f"partition={partition}")
@@ -190,7 +203,7 @@ def overrides_for(model: Any = None, data: Any = None, partition: Any = None, al
         source = source_from(data)
         if groups is not None:
             source = _with_clients(source, groups)
-        out += ["dataset=custom", f"dataset._target_={_quote(object_ref(_Given(source)))}"]
+        out += ["dataset=custom", f"dataset._target_={_quote(object_ref(_Given(source), held))}"]
     elif groups is not None:
         raise ValueError("partition as index lists needs data= (the samples they index)")
     if isinstance(algorithm, AlgorithmSpec):
@@ -207,7 +220,7 @@ def overrides_for(model: Any = None, data: Any = None, partition: Any = None, al
             if not callable(getattr(cb, "on_round_end", cb)):
                 raise TypeError(f"callbacks: a {type(cb).__name__} has no on_round_end(round, metrics, model) and is "
                                 "not callable")
-        out.append("callbacks=[" + ",".join(_quote(object_ref(cb)) for cb in callbacks) + "]")
+        out.append("callbacks=[" + ",".join(_quote(object_ref(cb, held)) for cb in callbacks) + "]")
     return out
 
 

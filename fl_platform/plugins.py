@@ -9,7 +9,9 @@ loaded by the same :func:`load`.
 
 Objects handed to the Python API (fl_platform/api.py) that no import path reaches (defined in a
 notebook or script, lambdas, data in memory) get an ``object:`` reference that only this process
-resolves: a config naming one cannot be rerun elsewhere, and says so.
+resolves: a config naming one cannot be rerun elsewhere, and says so. The reference resolves while
+the config that ``api.compose`` returned is alive (:func:`hold_for`), and no longer: a notebook's
+many runs do not keep every data set and class they were given.
 
 Reaching other processes: Ray workers unpickle the run's setup, which holds the plug-in's classes
 by reference, so their modules must be importable there. :func:`import_roots` finds the folders a
@@ -34,6 +36,7 @@ import logging
 import os
 import sys
 import sysconfig
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -53,12 +56,25 @@ class PluginError(ValueError):
 
 # ---------------------------------------------------------------- loading by reference
 
-_OBJECTS: dict[str, Any] = {}
+class _Held:
+    """An ``object:`` reference's object, in a box that can be weakly referenced (whatever the object is)."""
+
+    __slots__ = ("__weakref__", "obj")
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
 
 
-def object_ref(obj: Any) -> str:
+# ``object:`` reference -> its box, weakly: the configs naming it hold the boxes (hold_for), so an object
+# lives exactly as long as a config that can run it. (A plain dict kept every notebook run's data and
+# classes for the life of the process; weak values alone lost them as soon as api.compose returned.)
+_OBJECTS: weakref.WeakValueDictionary[str, _Held] = weakref.WeakValueDictionary()
+
+
+def object_ref(obj: Any, held: list[Any]) -> str:
     """A reference to ``obj``: its import path when importing it gives back ``obj`` itself, else an
-    ``object:`` reference that :func:`load` resolves in this process only."""
+    ``object:`` reference that :func:`load` resolves in this process while the caller keeps ``held``
+    (to which it appends what keeps the reference resolvable) alive: see :func:`hold_for`."""
     module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
     if module and qualname and module != "__main__" and "<" not in qualname:
         try:
@@ -68,8 +84,23 @@ def object_ref(obj: Any) -> str:
             pass
     name = qualname or type(obj).__name__
     ref = f"{OBJECT_PREFIX}{name}@{id(obj):x}"
-    _OBJECTS[ref] = obj
+    box = _OBJECTS.get(ref)  # a live box under ref holds obj itself (no other live object has its id)
+    if box is None:  # one box per object: every config naming it holds the same one
+        box = _OBJECTS[ref] = _Held(obj)
+    held.append(box)
     return ref
+
+
+def hold_for(config: Any, held: list[Any]) -> None:
+    """Keep ``held`` (what :func:`object_ref` appended) alive exactly as long as ``config``, the object
+    whose references name them: the run reads this same object (RunConfig.raw; Result.config is it).
+
+    A finalizer on ``config`` holds them and lets go when it is collected. Not a WeakKeyDictionary: a
+    DictConfig hashes and compares by content, which changes when it is edited (cfg.rounds = 5) and is
+    equal for two configs. A copy made outside the platform (OmegaConf.merge, deepcopy) does not hold
+    them: its references resolve while the original lives."""
+    if held:
+        weakref.finalize(config, list.clear, list(held))
 
 
 def _resolve_attr(obj: Any, dotted: str) -> Any:
@@ -84,11 +115,14 @@ def load(ref: str, key: str) -> Any:
         raise PluginError(f"{key} must be an import path such as mypkg.module:Name, got {ref!r}")
     ref = ref.strip()
     if ref.startswith(OBJECT_PREFIX):
-        if ref in _OBJECTS:
-            return _OBJECTS[ref]
+        box = _OBJECTS.get(ref)
+        if box is not None:
+            return box.obj
         raise PluginError(f"{key}={ref} names a Python object given to fl_platform.api in the process that "
-                          "wrote this config; it does not exist here. Define it in an importable module and "
-                          "give its import path (mypkg.module:Name) instead")
+                          "wrote this config; it does not exist here (another process, or the config that "
+                          "fl_platform.api.compose returned, or the Result of api.run, is no longer kept). "
+                          "Define it in an importable module and give its import path (mypkg.module:Name) "
+                          "instead, or keep that config")
     if ":" in ref:
         module_name, _, attr = ref.partition(":")
         module = _import(module_name, ref, key)
@@ -436,16 +470,31 @@ def cluster_py_modules(objects: Iterable[Any]) -> list[str]:
     return out
 
 
-# Plug-in objects of the runs started in this process (for shipping code to cluster nodes).
-_IN_USE: list[Any] = []
+# Plug-in objects of the runs started in this process (for shipping code to cluster nodes), weakly: a
+# run's setup holds its own while it runs, and a class of a package lives in its module, so what a
+# connecting engine needs is here; a notebook's local classes go with their runs. An object that
+# cannot be weakly referenced (a builtin function: it lives in its module anyway) is held as is.
+_IN_USE: list[Callable[[], Any]] = []
 
 
 def note_in_use(objects: Iterable[Any]) -> None:
     """Remember plug-in objects a run uses (their packages are shipped when joining a Ray cluster)."""
+    live = in_use()
     for obj in objects:
-        if _module_of(obj) and not any(o is obj for o in _IN_USE):
-            _IN_USE.append(obj)
+        if _module_of(obj) and not any(o is obj for o in live):
+            try:
+                _IN_USE.append(weakref.ref(obj))
+            except TypeError:
+                _IN_USE.append(functools.partial(_same, obj))
+            live.append(obj)
+
+
+def _same(obj: Any) -> Any:
+    return obj
 
 
 def in_use() -> list[Any]:
-    return list(_IN_USE)
+    """The plug-in objects of this process's runs that are still alive."""
+    pairs = [(r, r()) for r in _IN_USE]
+    _IN_USE[:] = [r for r, obj in pairs if obj is not None]
+    return [obj for _, obj in pairs if obj is not None]

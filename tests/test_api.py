@@ -5,15 +5,19 @@
 * a model class defined in a function, tensors, a partition by hand and an AlgorithmSpec object
   run inline and on Ray with 2 workers (the objects travel by value) with the same result, and the
   clients hold exactly the samples given;
-* torch Datasets are read into the source form; bad inputs are refused with the reason.
+* torch Datasets are read into the source form; bad inputs are refused with the reason;
+* the objects a config names by ``object:`` reference live as long as that config (or the Result
+  holding it), and no longer.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -288,3 +292,66 @@ def test_a_run_leaves_the_callers_random_streams_where_they_were():
     api.run(["dataset=digits", "num_clients=3", "clients_per_round=3", "rounds=1", "train.epochs=1",
              "logger.progress=false"])
     assert draws() == expected
+
+
+TINY = ["rounds=1", "num_clients=2", "clients_per_round=2", "partition=iid", "train.epochs=1", "train.batch_size=16",
+        "logger.progress=false", "engine.threads_per_worker=1"]
+
+
+def _arrays() -> tuple[np.ndarray, ...]:
+    return tuple(t.numpy()[:n] for t, n in zip(_toy(), (60, 60, 20, 20)))
+
+
+def _collect() -> None:
+    for _ in range(3):  # a local class is in reference cycles: one pass frees the config, the next what it held
+        gc.collect()
+
+
+def test_a_composed_config_keeps_its_objects_loadable_until_it_is_built():
+    """compose-then-build (docs/python-api.md): the data wrapper and a lambda callback are referenced by
+    nothing but the config, and still load after a collection."""
+    calls = []
+    cfg = api.compose(TINY, data=_arrays(), callbacks=[lambda r, m, model: calls.append(r)])
+    _collect()
+    exp = build(cfg)
+    try:
+        exp.simulation.run()
+    finally:
+        exp.engine.close()
+    assert calls == [1] and exp.data.num_clients == 2
+
+
+def test_objects_given_to_a_run_live_as_long_as_its_result():
+    """A notebook's api.run(data=...) does not keep the data, its local classes and callbacks for the life
+    of the process: dropping the Result frees them; while it is kept, its config runs again."""
+
+    class Net(nn.Module):  # defined here: an object: reference
+        def __init__(self, num_classes: int) -> None:
+            super().__init__()
+            self.fc = nn.Linear(5, num_classes)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x)
+
+    class Count:
+        def __init__(self) -> None:
+            self.rounds = 0
+
+        def on_round_end(self, round, metrics, model):
+            self.rounds += 1
+
+    result = api.run(TINY, model=Net, data=_arrays(), callbacks=[Count()])
+    refs = {"data": result.config.dataset._target_, "model": result.config.model._target_,
+            "callback": result.config.callbacks[0]}
+    assert all(r.startswith(plugins.OBJECT_PREFIX) for r in refs.values())
+    alive = {k: weakref.ref(plugins.load(r, k)) for k, r in refs.items()}
+    del Net, Count
+    _collect()
+    again = api.run_config(result.config)  # the Result keeps its config runnable
+    assert again.summary["final_test_accuracy"] == result.summary["final_test_accuracy"]
+    assert alive["callback"]().rounds == 2
+    del result, again
+    _collect()
+    assert {k: r() for k, r in alive.items()} == dict.fromkeys(alive)  # the data, the class, the callback: freed
+    with pytest.raises(plugins.PluginError, match=r"names a Python object given to fl_platform\.api .* no longer kept"):
+        plugins.load(refs["data"], "dataset._target_")

@@ -454,7 +454,8 @@ def test_packages_outside_the_checkout_are_shipped_to_cluster_nodes(tmp_path, mo
     copied = plugins.load("plugin_pkg_copy.nets:TinyNet", "model._target_")
     assert plugins.import_roots([copied, ClipServer]) == (str(outside.resolve()), "repo:tests")
     assert plugins.cluster_py_modules([copied, ClipServer]) == [str((outside / "plugin_pkg_copy").resolve())]
-    monkeypatch.setattr(plugins, "_IN_USE", [copied])
+    monkeypatch.setattr(plugins, "_IN_USE", [])
+    plugins.note_in_use([copied])
     env = with_plugin_modules({"working_dir": "/repo"})
     assert env == {"working_dir": "/repo", "py_modules": [str((outside / "plugin_pkg_copy").resolve())]}
     single = plugins.load("single_mod:f", "model._target_")
@@ -480,3 +481,25 @@ def test_import_roots_travel_first_in_a_pickled_setup(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["plugin_pkg.alg", "TinyNet", "3"]
     assert json.dumps(list(exp.setup.import_roots)) == '["repo:tests"]'
+
+
+def test_the_plugins_in_use_are_remembered_while_they_live(monkeypatch):
+    """What a connecting Ray engine ships (in_use) is every live plug-in object of this process's runs; a
+    notebook's local class is not kept alive by it once its run is gone."""
+    import gc
+    import weakref
+
+    from plugin_pkg.nets import TinyNet
+
+    monkeypatch.setattr(plugins, "_IN_USE", [])
+
+    class Local(torch.nn.Module):
+        pass
+
+    plugins.note_in_use([TinyNet, Local, TinyNet, len])  # len: not weakly referable, held as is
+    assert plugins.in_use() == [TinyNet, Local, len]
+    gone = weakref.ref(Local)
+    del Local
+    gc.collect()
+    assert gone() is None
+    assert plugins.in_use() == [TinyNet, len]  # an importable class lives in its module
