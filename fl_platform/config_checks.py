@@ -397,13 +397,32 @@ def check_setup(run: RunConfig, model: Any, data: Any, staged_for: str | None) -
     from fl_platform.training.step import check_cohort_options, check_image_inputs
     from fl_platform.training.vectorised import parse_cohort_size
 
-    check_model_input(model.name, model.input_shape, model.num_classes, data.train_dtype,
-                      dataset=run.dataset.name, stages_for=staged_for, **model.options)
+    single = check_model_input(model.name, model.input_shape, model.num_classes, data.train_dtype,
+                               dataset=run.dataset.name, stages_for=staged_for, **model.options)
+    if single is not None:
+        check_one_sample_batches(run.train_config, data.client_sizes(), single)
     try:  # the step's options this data and engine cannot apply (the device's: LocalTrainer)
         check_image_inputs(run.train_config, model.input_shape, data.train_dtype.is_floating_point)
         check_cohort_options(run.train_config, parse_cohort_size(run.engine.cohort_size))
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def check_one_sample_batches(train: Any, sizes: Any, why: str) -> None:
+    """The model cannot train on a batch of one sample (``why``): refuse a run in which a client's local
+    training would make one (its last batch of an epoch, n mod train.batch_size = 1, reached within its
+    steps), naming the clients, rather than let it fail mid-run in that client's first round."""
+    if train.drop_last:
+        return
+    bs = train.batch_size
+    ones = [c for c, n in enumerate(int(n) for n in sizes)
+            if n > 0 and n % bs == 1 % bs and train.num_steps(n) >= -(-n // bs)]
+    if ones:
+        example = ", ".join(f"{c} ({int(sizes[c])} samples)" for c in ones[:5])
+        raise ConfigError(f"the model cannot train on a batch of one sample ({why}), and {len(ones)} clients' local "
+                          f"training would make one with train.batch_size={bs}, e.g. clients {example}: set "
+                          f"train.drop_last=true (those clients skip their last sample of each epoch) or another "
+                          f"train.batch_size")
 
 
 # ---------------------------------------------------------------- resuming

@@ -137,3 +137,23 @@ def test_a_batchnorm_mlp_runs_and_a_cached_factory_stops_at_start_up():
     one = BNMLP()
     with pytest.raises(ValueError, match="it had returned before"):
         api.run(small, model=lambda input_shape, num_classes: one, data=data, partition=clients)
+
+
+def test_clients_that_would_make_a_one_sample_batch_are_named_at_start_up():
+    """A BatchNorm MLP cannot train on a batch of one sample. Clients of 33 and 17 samples make one with
+    batches of 8 (their last of each epoch): the run is refused at start-up naming them and
+    train.drop_last, rather than failing in torch in the first round that samples them. drop_last runs;
+    a model that takes one sample, or train.steps that stop before the last batch, are not refused."""
+    g = np.random.default_rng(0)
+    data = (g.normal(size=(82, 8)).astype(np.float32), np.arange(82) % 4,
+            g.normal(size=(16, 8)).astype(np.float32), np.arange(16) % 4)
+    small = ["rounds=1", "clients_per_round=3", "train.batch_size=8", "logger.progress=false", "save_model=false"]
+    clients = [np.arange(32), np.arange(32, 65), np.arange(65, 82)]  # 32, 33 and 17 samples
+    with pytest.raises(ValueError, match=r"batch of one sample \(.*2 clients' local training would make one with "
+                                         r"train\.batch_size=8, e\.g\. clients 1 \(33 samples\), 2 \(17 samples\): "
+                                         r"set train\.drop_last=true"):
+        api.run([*small, "train.epochs=1"], model=BNMLP, data=data, partition=clients)
+    assert len(api.run([*small, "train.epochs=1", "train.drop_last=true"], model=BNMLP, data=data,
+                       partition=clients).history) == 1
+    assert len(api.run([*small, "train.epochs=1"], model=Lin, data=data, partition=clients).history) == 1
+    assert len(api.run([*small, "train.steps=2"], model=BNMLP, data=data, partition=clients).history) == 1

@@ -16,7 +16,14 @@ from torch import nn
 
 from fl_platform.models.base import StagedModel
 from fl_platform.models.cnn import CNN
-from fl_platform.models.custom import CUSTOM, build_custom, dry_run_problem, split_options, target_name
+from fl_platform.models.custom import (
+    CUSTOM,
+    build_custom,
+    dry_run_problem,
+    one_sample_problem,
+    split_options,
+    target_name,
+)
 from fl_platform.models.lstm import CharLSTM
 from fl_platform.models.mlp import MLP
 from fl_platform.models.resnet import FUSEFL_RESNET18_CUTS, ResNet18
@@ -65,8 +72,10 @@ class ModelInputError(ValueError):
 
 def check_model_input(name: str, input_shape: Sequence[int], num_classes: int,
                       input_dtype: torch.dtype | None = None, *, dataset: str | None = None,
-                      stages_for: str | None = None, **options: Any) -> None:
-    """Refuse, at start-up, a model that cannot train on samples of ``input_shape`` and ``input_dtype``.
+                      stages_for: str | None = None, **options: Any) -> str | None:
+    """Refuse, at start-up, a model that cannot train on samples of ``input_shape`` and ``input_dtype``;
+    return why a training batch of one sample fails, or None (custom models only: they are checked on two
+    samples, so a BatchNorm MLP is valid, and the data decide whether a client ever makes such a batch).
 
     Without this, such a pair fails deep inside torch, sometimes only mid-training (ResNet-18 on
     8x8 digits reaches a BatchNorm on 1x1 maps, which fails on the first one-sample batch). The
@@ -78,18 +87,20 @@ def check_model_input(name: str, input_shape: Sequence[int], num_classes: int,
     model config; draws nothing from any RNG stream the run uses.
     """
     if name == CUSTOM:
-        _check_custom(input_shape, num_classes, input_dtype, dataset, stages_for, options)
-        return
+        return _check_custom(input_shape, num_classes, input_dtype, dataset, stages_for, options)
     cls, shape = _checked_static(name, input_shape, num_classes, input_dtype, dataset, options)
     if _key(name, shape, num_classes, options) in _CHECKED:
-        return
+        return None
     with torch.random.fork_rng(devices=[]):
         model = _construct(cls, shape, num_classes, options)
     _check_dry_run(name, model, num_classes, options, input_dtype, dataset)
+    return None
 
 
 # Model configs (name, shape, classes, options) that passed the dry run in this process.
 _CHECKED: set[tuple[Any, ...]] = set()
+# Custom model configs that passed it -> why a training batch of one sample fails (None: it does not).
+_ONE_SAMPLE: dict[tuple[Any, ...], str | None] = {}
 
 
 def _key(name: str, shape: tuple[int, ...], num_classes: int, options: dict[str, Any]) -> tuple[Any, ...]:
@@ -206,13 +217,14 @@ def _check_dry_run(name: str, model: StagedModel, num_classes: int, options: dic
 
 
 def _check_custom(input_shape: Sequence[int], num_classes: int, dtype: torch.dtype | None, dataset: str | None,
-                  stages_for: str | None, options: dict[str, Any]) -> None:
-    """``model=custom``: its arguments, one dry forward pass, and stages when an algorithm needs them."""
+                  stages_for: str | None, options: dict[str, Any]) -> str | None:
+    """``model=custom``: its arguments, one dry forward pass, and stages when an algorithm needs them;
+    returns why a training batch of one sample fails (or None)."""
     ref = target_name(split_options(options)[0])
     shape = tuple(int(s) for s in input_shape)
     key = (CUSTOM, shape, num_classes, str(dtype), stages_for, repr(sorted(options.items())))
     if key in _CHECKED:
-        return
+        return _ONE_SAMPLE.get(key)
     with torch.random.fork_rng(devices=[]):
         model = build_model(CUSTOM, shape, num_classes, **options)
     kind = "" if dtype is None else ("token-id " if _is_tokens(dtype) else "float ")
@@ -228,6 +240,8 @@ def _check_custom(input_shape: Sequence[int], num_classes: int, dtype: torch.dty
             f"{type(model).__name__}, which has none: subclass fl_platform.models.StagedModel (named stages, "
             "the last an nn.Linear named 'head'), or return an nn.Sequential ending in an nn.Linear")
     _CHECKED.add(key)
+    _ONE_SAMPLE[key] = one_sample_problem(model, shape, dtype)
+    return _ONE_SAMPLE[key]
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -17,9 +17,10 @@ its second call.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -122,22 +123,14 @@ def dry_run_problem(model: nn.Module, input_shape: tuple[int, ...], num_classes:
     RNG (draws nothing from the run's)."""
     if (reason := layout_problem(model)) is not None:
         return reason
-    ref = next(iter(model.parameters()), None)
-    dtype = dtype or getattr(model, "input_dtype", None) or (ref.dtype if ref is not None else torch.float32)
-    modes = [m.training for m in model.modules()]
-    saved = [b.detach().clone() for b in model.buffers()]
     dims = "x".join(map(str, input_shape)) or "scalar"
-    try:
+    with _untouched(model):
         for train, batch in ((True, 2), (False, 1)):
-            model.train(train)
             what = (f"a training-mode forward pass of two samples of shape {dims}" if train
                     else f"an eval-mode forward pass of one sample of shape {dims}")
-            try:
-                with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                    out = model(torch.zeros((batch, *input_shape), dtype=dtype))
-            except Exception as err:  # the user's forward: any error is a reason to refuse the pair
-                first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-                return f"{what} fails: {first}"
+            out = _forward(model, train, batch, input_shape, dtype)
+            if isinstance(out, str):  # the user's forward raised: any error is a reason to refuse the pair
+                return f"{what} fails: {out}"
             if not isinstance(out, torch.Tensor):
                 return f"its forward returns a {type(out).__name__}, not a tensor of logits"
             if tuple(out.shape) != (batch, num_classes):
@@ -146,13 +139,45 @@ def dry_run_problem(model: nn.Module, input_shape: tuple[int, ...], num_classes:
             if not out.is_floating_point():
                 return (f"its forward returns {out.dtype} logits; the loss needs floating-point logits (return the "
                         "scores, not class ids)")
+    return None
+
+
+def one_sample_problem(model: nn.Module, input_shape: tuple[int, ...], dtype: torch.dtype | None) -> str | None:
+    """Why a training-mode forward pass of one sample fails (a BatchNorm over features has no batch
+    statistics for one sample), or None. Not a reason to refuse the model: only a client whose data
+    make a one-sample batch cannot train (config_checks.check_setup names them)."""
+    with _untouched(model):
+        out = _forward(model, True, 1, input_shape, dtype)
+    return out if isinstance(out, str) else None
+
+
+def _forward(model: nn.Module, train: bool, batch: int, input_shape: tuple[int, ...],
+             dtype: torch.dtype | None) -> Any:
+    """``model``'s output for ``batch`` zero samples in training or eval mode, or the first line of the
+    error its forward raised."""
+    ref = next(iter(model.parameters()), None)
+    dtype = dtype or getattr(model, "input_dtype", None) or (ref.dtype if ref is not None else torch.float32)
+    model.train(train)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            return model(torch.zeros((batch, *input_shape), dtype=dtype))
+    except Exception as err:  # the user's forward: any error
+        return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+@contextlib.contextmanager
+def _untouched(model: nn.Module) -> Iterator[None]:
+    """Every buffer and module's mode as before, whatever the forward passes inside did."""
+    modes = [m.training for m in model.modules()]
+    saved = [b.detach().clone() for b in model.buffers()]
+    try:
+        yield
     finally:
         with torch.no_grad():
             for b, s in zip(model.buffers(), saved):
                 b.copy_(s)
         for m, mode in zip(model.modules(), modes):
             m.training = mode
-    return None
 
 
 def layout_problem(model: nn.Module) -> str | None:
