@@ -15,7 +15,7 @@ import tempfile
 import pytest
 
 from .conftest import REPO
-from .test_cli import run_cli
+from .test_cli import cli_call, run_cli
 
 pytestmark = pytest.mark.slow  # each sweep runs its jobs in processes (joblib, a Ray cluster)
 
@@ -91,11 +91,22 @@ def test_ray_cluster_launcher_runs_jobs_on_the_nodes_of_a_cluster(tmp_path, monk
 
 
 def test_a_failed_job_fails_the_ray_sweep_and_names_it(tmp_path):
-    """One job with an impossible setting: the others finish, the sweep exits non-zero naming it."""
+    """One job with an impossible setting: the others finish, the sweep exits non-zero naming it. The
+    local Ray the launcher starts listens on 127.0.0.1 only, though this environment does not ask for it
+    (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER unset; Ray's default on Linux is every interface)."""
     sweep = tmp_path / "sweep"
-    proc = run_cli("-m", "algorithm=fedavg", "rounds=1", "num_clients=20", "clients_per_round=4",
-                   "train.lr=0.1,1e30", "hydra/launcher=ray_cluster", "+hydra.launcher.init.num_cpus=2",
-                   f"hydra.sweep.dir={sweep}", timeout=400)
+    argv, env = cli_call(("-m", "algorithm=fedavg", "rounds=1", "num_clients=20", "clients_per_round=4",
+                          "train.lr=0.1,1e30", "hydra/launcher=ray_cluster", "+hydra.launcher.init.num_cpus=2",
+                          f"hydra.sweep.dir={sweep}"))
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    ray_tmp = tempfile.mkdtemp(prefix="flw", dir="/tmp")  # short: Ray's socket paths live under it
+    try:
+        proc = subprocess.run([sys.executable, "-m", "fl_platform.run", *argv], cwd=REPO, capture_output=True,
+                              text=True, timeout=400, env={**env, "RAY_TMPDIR": ray_tmp})
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    found = re.search(r"on the Ray at (\S+):\d+, sweep dir", proc.stdout + proc.stderr)
+    assert found and found[1] == "127.0.0.1", (proc.stdout + proc.stderr)[-3000:]
     assert proc.returncode != 0
     assert "error: 1 of 2 jobs failed: #1" in proc.stderr and "train.lr=1e+30" in proc.stderr, proc.stderr[-3000:]
     assert "non-finite" in proc.stderr  # the job's own reason, from its log

@@ -119,6 +119,12 @@ class RayClusterLauncher(Launcher):
         return OmegaConf.to_container(env, resolve=True) if isinstance(env, DictConfig) else dict(env)
 
     def launch(self, job_overrides: Any, initial_job_idx: int) -> list[JobReturn]:
+        from fl_platform.engine.ray_cluster import (
+            keep_local_ray_on_loopback,
+            warn_if_listening_beyond_loopback,
+        )
+
+        keep_local_ray_on_loopback(self.conf.address)  # (before Ray is imported) a local Ray: on 127.0.0.1 only
         import ray
 
         setup_globals()
@@ -130,11 +136,14 @@ class RayClusterLauncher(Launcher):
         if owns:
             init = {"include_dashboard": False, "log_to_driver": True, **OmegaConf.to_container(self.conf.init)}
             ray.init(address=self.conf.address, runtime_env=self._runtime_env(), **init)
+            if self.conf.address is None:
+                warn_if_listening_beyond_loopback(ray)
         driver_node = ray.get_runtime_context().get_node_id() if self.conf.copy_back else None
         remote = ray.remote(_run_job).options(num_cpus=self.conf.num_cpus, num_gpus=self.conf.num_gpus,
                                               max_retries=0)
-        log.info("Ray cluster launcher: %d jobs (%g CPUs, %g GPUs each), sweep dir %s",
-                 len(job_overrides), self.conf.num_cpus, self.conf.num_gpus, sweep_dir)
+        log.info("Ray cluster launcher: %d jobs (%g CPUs, %g GPUs each) on the Ray at %s, sweep dir %s",
+                 len(job_overrides), self.conf.num_cpus, self.conf.num_gpus, ray.get_runtime_context().gcs_address,
+                 sweep_dir)
         refs = []
         for i, overrides in enumerate(job_overrides):
             idx = initial_job_idx + i
