@@ -100,7 +100,7 @@ def check_model_input(name: str, input_shape: Sequence[int], num_classes: int,
 # Model configs (name, shape, classes, options) that passed the dry run in this process.
 _CHECKED: set[tuple[Any, ...]] = set()
 # Custom model configs that passed it -> why a training batch of one sample fails (None: it does not).
-_ONE_SAMPLE: dict[tuple[Any, ...], str | None] = {}
+_CHECKED_CUSTOM: dict[tuple[Any, ...], str | None] = {}
 
 
 def _key(name: str, shape: tuple[int, ...], num_classes: int, options: dict[str, Any]) -> tuple[Any, ...]:
@@ -223,8 +223,8 @@ def _check_custom(input_shape: Sequence[int], num_classes: int, dtype: torch.dty
     ref = target_name(split_options(options)[0])
     shape = tuple(int(s) for s in input_shape)
     key = (CUSTOM, shape, num_classes, str(dtype), stages_for, repr(sorted(options.items())))
-    if key in _CHECKED:
-        return _ONE_SAMPLE.get(key)
+    if key in _CHECKED_CUSTOM:
+        return _CHECKED_CUSTOM[key]
     with torch.random.fork_rng(devices=[]):
         model = build_model(CUSTOM, shape, num_classes, **options)
     kind = "" if dtype is None else ("token-id " if _is_tokens(dtype) else "float ")
@@ -239,9 +239,8 @@ def _check_custom(input_shape: Sequence[int], num_classes: int, dtype: torch.dty
             f"algorithm={stages_for} cuts the model into stages, but model._target_={ref} builds a "
             f"{type(model).__name__}, which has none: subclass fl_platform.models.StagedModel (named stages, "
             "the last an nn.Linear named 'head'), or return an nn.Sequential ending in an nn.Linear")
-    _CHECKED.add(key)
-    _ONE_SAMPLE[key] = one_sample_problem(model, shape, dtype)
-    return _ONE_SAMPLE[key]
+    _CHECKED_CUSTOM[key] = one_sample_problem(model, shape, dtype)
+    return _CHECKED_CUSTOM[key]
 
 
 def count_parameters(model: nn.Module) -> int:
