@@ -273,6 +273,10 @@ class SchedulerPolicy(StrEnum):
     round_robin = "round_robin"  # the i-th sampled client to worker i mod W, whatever the speeds
 
 
+#: TEST ONLY: where in a round the worker of ``fault_injection.client`` exits, or hangs (``fault_injection.at``).
+FAULT_STEPS = ("train", "hang", "merge", "commit")
+
+
 @dataclass
 class FaultInjectionConf:
     """TEST ONLY: the Ray worker that trains ``client`` exits abruptly (os._exit) when it starts it,

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from fl_platform.config import OPEN_OPTIONS, WANDB_MODES, EngineConf, EvalConf, LoggerConf
+from fl_platform.config import FAULT_STEPS, OPEN_OPTIONS, WANDB_MODES, EngineConf, EvalConf, LoggerConf
 from fl_platform.rounds.callbacks import EarlyStopConf, load_callbacks
 from fl_platform.run_config import RunConfig, plain
 from fl_platform.training.loop import TrainConfig
@@ -113,8 +113,8 @@ def check_run(run: RunConfig) -> None:
          f"must be >= 1 (or null: engine.cpus_per_worker, 1 inline), got {engine.threads_per_worker}"),
         (engine.fault_injection.client is None or plain(engine.name) == "ray", "engine.fault_injection",
          "is a test-only fault for Ray workers; it needs engine=ray"),
-        (engine.fault_injection.at in ("train", "hang", "merge", "commit"), "engine.fault_injection.at",
-         f"(test only) must be train, hang, merge or commit, got {engine.fault_injection.at!r}"),
+        (engine.fault_injection.at in FAULT_STEPS, "engine.fault_injection.at",
+         f"(test only) must be {', '.join(FAULT_STEPS[:-1])} or {FAULT_STEPS[-1]}, got {engine.fault_injection.at!r}"),
         (engine.fault_injection.at == "train" or engine.fault_injection.client is not None,
          "engine.fault_injection.at", "(test only) says when the worker of engine.fault_injection.client exits; "
          "set that too"),

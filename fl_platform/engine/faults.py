@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from fl_platform.config import FAULT_STEPS
 from fl_platform.core import Broadcast, RoundContext
 from fl_platform.engine.ray_actors import RayWorker
 from fl_platform.engine.ray_placement import conf_value
@@ -34,8 +35,6 @@ log = logging.getLogger(__name__)
 
 #: A hung worker's sleep: longer than any test waits (engine.round_timeout_s kills it first).
 HANG_S = 3600.0
-#: Where in a round the worker that trains ``Faults.client`` exits, or hangs (``engine.fault_injection.at``).
-AT = ("train", "hang", "merge", "commit")
 
 
 @dataclass(frozen=True)
@@ -62,8 +61,8 @@ class Faults:
             raise ValueError(f"engine.fault_injection.slow_worker={slow_worker} names no worker: the run has "
                              f"engine.num_workers={num_workers} (ids 0..{num_workers - 1})")
         round_, at = conf_value(conf, "round"), str(conf_value(conf, "at", "train"))
-        if at not in AT:
-            raise ValueError(f"engine.fault_injection.at must be one of {', '.join(AT)}, got {at!r}")
+        if at not in FAULT_STEPS:
+            raise ValueError(f"engine.fault_injection.at must be one of {', '.join(FAULT_STEPS)}, got {at!r}")
         return cls(client=None if client is None else int(client),
                    round=None if round_ is None else int(round_) - 1, at=at,
                    slow_worker=None if slow_worker is None else int(slow_worker),
