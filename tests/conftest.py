@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +119,18 @@ def slot_mask(fm) -> torch.Tensor:
     for s in fm.slots:
         used[s.offset : s.offset + s.numel] = True
     return used
+
+
+@contextlib.contextmanager
+def short_tmp(prefix: str = "flr") -> Iterator[str]:
+    """A new folder under /tmp for a Ray of a test's own (``RAY_TMPDIR``), removed afterwards: short, since
+    Ray's socket paths live under it and a Unix socket path holds at most 107 bytes (pytest's tmp_path is
+    longer)."""
+    tmp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def interruptible() -> None:

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
-from .conftest import REPO
+from .conftest import REPO, short_tmp
 
 CLUSTER_CASES = ["cluster_up", "fedavg_inline_equals_ray_3_nodes", "scaffold_node_local_disk_equals_inline",
                  "missing_state_names_the_client", "node_lost_without_checkpoint_fails_naming_it",
@@ -37,14 +35,11 @@ JOIN_CASES = ["cluster_up", "join_with_engine_address_ships_the_code"]
 
 def run_cases(mode: str, timeout: float) -> tuple[dict[str, dict], str]:
     """Run one mode of cluster_cases.py; returns its cases by name and the tail of its stderr."""
-    tmp = tempfile.mkdtemp(prefix="flc", dir="/tmp")  # short: Ray's socket paths live under it
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
-    env.update(RAY_TMPDIR=tmp, TMPDIR=tmp, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", OMP_NUM_THREADS="1")
-    try:
+    with short_tmp("flc") as tmp:
+        env.update(RAY_TMPDIR=tmp, TMPDIR=tmp, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", OMP_NUM_THREADS="1")
         proc = subprocess.run([sys.executable, str(REPO / "tests" / "cluster_cases.py"), mode, tmp], cwd=tmp,
                               env=env, capture_output=True, text=True, timeout=timeout)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     cases = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):

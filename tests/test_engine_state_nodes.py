@@ -14,7 +14,7 @@ from fl_platform.experiment import ConfigError, build, run_experiment
 from fl_platform.rounds.simulation import is_timing_key
 from fl_platform.state.manifest import ROUND_KEY, Manifest, MissingClientState, checked, stamp
 
-from .conftest import REPO, compose_config
+from .conftest import REPO, compose_config, short_tmp
 
 COMMON = ("algorithm=scaffold", "rounds=4", "checkpoint_every=2", "train.epochs=1", "clients_per_round=12",
           "engine.threads_per_worker=1")
@@ -132,19 +132,13 @@ def test_a_ray_the_engine_starts_listens_on_loopback_only():
     addresses (Ray's default on Linux), in a process whose environment does not say so."""
     import json
     import os
-    import shutil
     import subprocess
     import sys
-    import tempfile
 
-    tmp = tempfile.mkdtemp(prefix="flr", dir="/tmp")  # short: Ray's socket paths live under it
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
-    env.update(RAY_TMPDIR=tmp, OMP_NUM_THREADS="1")
-    try:
+    with short_tmp() as tmp:
         proc = subprocess.run([sys.executable, "-c", LOOPBACK_SCRIPT], capture_output=True, text=True, timeout=300,
-                              env=env, cwd=REPO)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+                              env={**env, "RAY_TMPDIR": tmp, "OMP_NUM_THREADS": "1"}, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert row["env"] == "0" and row["nodes"] == ["127.0.0.1"], row

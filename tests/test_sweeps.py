@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
-from .conftest import REPO
+from .conftest import REPO, short_tmp
 from .test_cli import cli_call, run_cli
 
 pytestmark = pytest.mark.slow  # each sweep runs its jobs in processes (joblib, a Ray cluster)
@@ -63,20 +61,19 @@ def test_ray_cluster_launcher_runs_jobs_on_the_nodes_of_a_cluster(tmp_path, monk
     from ray.cluster_utils import Cluster
 
     # The cluster's files (and its address file, which a later plain ray.init() would join) stay private.
-    ray_tmp = tempfile.mkdtemp(prefix="fl-sweep-")  # short: Ray's socket paths must fit in 107 bytes
-    monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
-    monkeypatch.setenv("RAY_DEDUP_LOGS", "0")  # Ray folds alike log lines of several nodes into one
-    cluster = Cluster(initialize_head=True, connect=False,
-                      head_node_args={"num_cpus": 1, "include_dashboard": False})
-    try:
-        cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
-        sweep = tmp_path / "sweep"
-        proc = run_cli(*SWEEP, "hydra/launcher=ray_cluster", f"hydra.launcher.address={cluster.address}",
-                       f"hydra.sweep.dir={sweep}", timeout=400)
-    finally:
-        cluster.shutdown()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    with short_tmp("fl-sweep-") as ray_tmp:
+        monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
+        monkeypatch.setenv("RAY_DEDUP_LOGS", "0")  # Ray folds alike log lines of several nodes into one
+        cluster = Cluster(initialize_head=True, connect=False,
+                          head_node_args={"num_cpus": 1, "include_dashboard": False})
+        try:
+            cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            sweep = tmp_path / "sweep"
+            proc = run_cli(*SWEEP, "hydra/launcher=ray_cluster", f"hydra.launcher.address={cluster.address}",
+                           f"hydra.sweep.dir={sweep}", timeout=400)
+        finally:
+            cluster.shutdown()
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert_complete_sweep(sweep)
@@ -99,12 +96,9 @@ def test_a_failed_job_fails_the_ray_sweep_and_names_it(tmp_path):
                           "train.lr=0.1,1e30", "hydra/launcher=ray_cluster", "+hydra.launcher.init.num_cpus=2",
                           f"hydra.sweep.dir={sweep}"))
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
-    ray_tmp = tempfile.mkdtemp(prefix="flw", dir="/tmp")  # short: Ray's socket paths live under it
-    try:
+    with short_tmp("flw") as ray_tmp:
         proc = subprocess.run([sys.executable, "-m", "fl_platform.run", *argv], cwd=REPO, capture_output=True,
                               text=True, timeout=400, env={**env, "RAY_TMPDIR": ray_tmp})
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
     found = re.search(r"on the Ray at (\S+):\d+, sweep dir", proc.stdout + proc.stderr)
     assert found and found[1] == "127.0.0.1", (proc.stdout + proc.stderr)[-3000:]
     assert proc.returncode != 0
