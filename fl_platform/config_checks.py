@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import fields, is_dataclass
+from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -401,6 +401,10 @@ def check_setup(run: RunConfig, model: Any, data: Any, staged_for: str | None) -
                                dataset=run.dataset.name, stages_for=staged_for, **model.options)
     if single is not None:
         check_one_sample_batches(run.train_config, data.client_sizes(), single)
+        steps = run.eval.finetune_steps if run.eval_clients != "none" else 0
+        if steps > 0:  # the fine-tuning before a client's evaluation batches its training rows the same way
+            check_one_sample_batches(replace(run.train_config, steps=steps, epochs=None),
+                                     data.client_sizes(), single, f"fine-tuning (eval.finetune_steps={steps})")
     try:  # the step's options this data and engine cannot apply (the device's: LocalTrainer)
         check_image_inputs(run.train_config, model.input_shape, data.train_dtype.is_floating_point)
         check_cohort_options(run.train_config, parse_cohort_size(run.engine.cohort_size))
@@ -408,10 +412,11 @@ def check_setup(run: RunConfig, model: Any, data: Any, staged_for: str | None) -
         raise ConfigError(str(err)) from None
 
 
-def check_one_sample_batches(train: Any, sizes: Any, why: str) -> None:
+def check_one_sample_batches(train: Any, sizes: Any, why: str, what: str = "local training") -> None:
     """The model cannot train on a batch of one sample (``why``): refuse a run in which a client's local
-    training would make one (its last batch of an epoch, n mod train.batch_size = 1, reached within its
-    steps), naming the clients, rather than let it fail mid-run in that client's first round."""
+    training (``what``: or its fine-tuning before evaluation) would make one (its last batch of an epoch,
+    n mod train.batch_size = 1, reached within its steps), naming the clients, rather than let it fail
+    mid-run in that client's first round."""
     if train.drop_last:
         return
     bs = train.batch_size
@@ -419,8 +424,8 @@ def check_one_sample_batches(train: Any, sizes: Any, why: str) -> None:
             if n > 0 and n % bs == 1 % bs and train.num_steps(n) >= -(-n // bs)]
     if ones:
         example = ", ".join(f"{c} ({int(sizes[c])} samples)" for c in ones[:5])
-        raise ConfigError(f"the model cannot train on a batch of one sample ({why}), and {len(ones)} clients' local "
-                          f"training would make one with train.batch_size={bs}, e.g. clients {example}: set "
+        raise ConfigError(f"the model cannot train on a batch of one sample ({why}), and {len(ones)} clients' "
+                          f"{what} would make one with train.batch_size={bs}, e.g. clients {example}: set "
                           f"train.drop_last=true (those clients skip their last sample of each epoch) or another "
                           f"train.batch_size")
 

@@ -157,3 +157,24 @@ def test_clients_that_would_make_a_one_sample_batch_are_named_at_start_up():
                        partition=clients).history) == 1
     assert len(api.run([*small, "train.epochs=1"], model=Lin, data=data, partition=clients).history) == 1
     assert len(api.run([*small, "train.steps=2"], model=BNMLP, data=data, partition=clients).history) == 1
+
+
+def test_fine_tuning_that_would_make_a_one_sample_batch_is_named_at_start_up():
+    """eval.finetune_steps trains each evaluated client on its training rows in batches of
+    train.batch_size too. After their local test splits (a fifth) the clients keep 26, 26 and 14 rows;
+    with batches of 13, client 2's second step is a one-sample batch. Local training (1 step) stops
+    before it and runs; fine-tuning of 2 steps reaches it and is refused at start-up, naming the client
+    and the key, rather than failing in torch at the first evaluation. 1 step, or drop_last, runs."""
+    g = np.random.default_rng(0)
+    data = (g.normal(size=(82, 8)).astype(np.float32), np.arange(82) % 4,
+            g.normal(size=(16, 8)).astype(np.float32), np.arange(16) % 4)
+    small = ["rounds=1", "clients_per_round=3", "train.batch_size=13", "train.steps=1", "logger.progress=false",
+             "save_model=false", "eval.clients=all"]
+    clients = [np.arange(32), np.arange(32, 65), np.arange(65, 82)]  # 32, 33 and 17 samples
+    with pytest.raises(ValueError, match=r"batch of one sample \(.*1 clients' fine-tuning \(eval\.finetune_steps=2\) "
+                                         r"would make one with train\.batch_size=13, e\.g\. clients 2 \(14 samples\): "
+                                         r"set train\.drop_last=true"):
+        api.run([*small, "eval.finetune_steps=2"], model=BNMLP, data=data, partition=clients)
+    for extra in (["eval.finetune_steps=1"], ["eval.finetune_steps=2", "train.drop_last=true"]):
+        (row,) = api.run([*small, *extra], model=BNMLP, data=data, partition=clients).history
+        assert row["eval_clients"] == 3 and 0 <= row["finetuned_accuracy_mean"] <= 1, sorted(row)
