@@ -274,7 +274,7 @@ class SchedulerPolicy(StrEnum):
 
 
 #: TEST ONLY: where in a round the worker of ``fault_injection.client`` exits, or hangs (``fault_injection.at``).
-FAULT_STEPS = ("train", "hang", "merge", "commit")
+FAULT_STEPS = ("train", "hang", "merge", "commit", "hang_commit")
 
 
 @dataclass
@@ -287,7 +287,8 @@ class FaultInjectionConf:
     round: int | None = None
     # TEST ONLY: where in that round it exits: train (as it starts the client), merge (when the reduction
     # tree asks it to add a partner's partial, after its result arrived) or commit (when the engine asks
-    # it to apply the round's new client states); hang: it sleeps at that client instead (round_timeout_s).
+    # it to apply the round's new client states); hang: it sleeps at that client instead, hang_commit: when
+    # asked to apply the states (round_timeout_s).
     at: str = "train"
     # TEST ONLY: worker ``slow_worker`` (inline or Ray) sleeps (slow_factor - 1) x each client's
     # measured training time after it, so its clients really take slow_factor times as long.
@@ -329,9 +330,10 @@ class EngineConf:
     # of a GPU on the driver's node, so Ray accounts for it), cpu (the driver's), or worker (ray: worker 0's device).
     eval_device: str = "auto"
     start_timeout_s: float = 600.0  # ray: workers not started within this many seconds: an error naming what is missing
-    # ray: a worker whose share of a round's training has not come back this many seconds after it was sent
-    # counts as hung (a deadlock, a stuck device): it is killed, replaced and its share rerun, as a dead one
-    # (engine.max_restarts). None: wait as long as it takes.
+    # ray: a worker that has not answered one of the engine's calls (its share of a round's training, applying
+    # states, evaluation, checkpoint parts) this many seconds after it was sent counts as hung (a deadlock, a
+    # stuck device): it is killed, replaced and the call made again, as for a dead one (engine.max_restarts).
+    # None: wait as long as it takes.
     round_timeout_s: float | None = None
     # torch deterministic algorithms in every worker (cuDNN/cuBLAS too); an operation without a deterministic
     # CUDA kernel stops the run naming this key. CPU results are bit-identical either way (docs/engine.md, Determinism)

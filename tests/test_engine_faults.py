@@ -154,19 +154,23 @@ def test_a_worker_that_died_after_its_result_reruns_with_the_failed_one(ray_sess
 
 
 @pytest.mark.ray
-def test_a_hung_worker_is_killed_after_the_round_timeout_and_its_clients_rerun(ray_session, caplog):
-    """engine.round_timeout_s: a worker that sends no result in time (here it sleeps at a client of
-    round 2) is killed, replaced on its node and its share rerun; the result equals the fault-free one
-    (the states on disk survive its process). Without the key the driver would wait for an hour."""
+@pytest.mark.parametrize(("at", "step"), [("hang", "their share of the round's training"),
+                                          ("hang_commit", "saving client states after round 2")])
+def test_a_hung_worker_is_killed_after_the_round_timeout_and_its_call_made_again(ray_session, caplog, at, step):
+    """engine.round_timeout_s bounds every call the engine waits on: a worker that sends no answer in
+    time is killed, replaced on its node and the call made again; the result equals the fault-free one
+    (the states on disk survive its process). ``hang``: it sleeps at a client of round 2 (its share is
+    rerun); ``hang_commit``: when asked to apply round 2's new states, after its result arrived (the new
+    actor applies them from its node's files). Without the key the driver would wait for an hour."""
     victim = sample_clients(0, 1, 100, 12)[5]
     overrides = ("algorithm=scaffold", "engine.state_store=distributed")
     clean = run(*overrides)
     with caplog.at_level("WARNING", logger="fl_platform.engine"):
         faulty = run("engine=ray", "engine.num_workers=2", *overrides, "engine.round_timeout_s=10",
                      f"engine.fault_injection.client={victim}", "engine.fault_injection.round=2",
-                     "engine.fault_injection.at=hang")
+                     f"engine.fault_injection.at={at}")
     assert faulty.engine.restarts == 1
-    assert "sent no result within engine.round_timeout_s=10 s" in caplog.text
+    assert f"sent no result within engine.round_timeout_s=10 s ({step})" in caplog.text, caplog.text[-2000:]
     assert float((faulty.simulation.server.weights - clean.simulation.server.weights).abs().max()) <= 1e-6
     assert results(faulty) == results(clean)
 
@@ -181,7 +185,7 @@ def test_the_round_timeout_is_checked(overrides, message):
 
 
 def test_fault_injection_at_is_checked():
-    with pytest.raises(ValueError, match=r"engine\.fault_injection\.at.*train, hang, merge or commit"):
+    with pytest.raises(ValueError, match=r"engine\.fault_injection\.at.*train, hang, merge, commit or hang_commit"):
         build(compose_config(*COMMON, "engine=ray", "engine.fault_injection.client=3", "engine.fault_injection.at=late"))
     with pytest.raises(ValueError, match=r"engine\.fault_injection\.at.*set that too"):
         build(compose_config(*COMMON, "engine.fault_injection.at=commit"))

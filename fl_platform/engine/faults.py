@@ -11,7 +11,8 @@ hold no test code.
   under test is the Ray engine's). ``at`` moves the exit later in the round, after the worker's
   result has reached the driver: ``merge`` when the reduction tree asks that worker to add a
   partner's partial aggregate, ``commit`` when the engine asks it to apply the round's new states;
-  ``hang`` makes it sleep (an hour) at that client instead, for ``engine.round_timeout_s``.
+  ``hang`` makes it sleep (an hour) at that client instead, ``hang_commit`` when asked to apply the
+  round's new states, for ``engine.round_timeout_s``.
 * ``slow_worker``/``slow_factor``: that worker sleeps ``slow_factor - 1`` times each client's
   measured time after training it, and reports the client as that much slower, like slower
   hardware (the scheduler's tests and ``scripts/bench/scheduler.py``); results are unchanged.
@@ -118,4 +119,8 @@ class FaultyRayWorker(FaultInjection, RayWorker):
     def commit_round(self, round: int) -> int:
         if self.faults.at == "commit" and self._doomed == round:
             self._exit("when asked to apply its new client states", round)
+        if self.faults.at == "hang_commit" and self._doomed == round:
+            log.warning("fault injection: worker %d hangs when asked to apply its new client states in round %d",
+                        self.worker_id, round + 1)
+            time.sleep(HANG_S)
         return super().commit_round(round)

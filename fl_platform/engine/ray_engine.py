@@ -38,7 +38,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,8 +131,8 @@ class WorkerEvaluator:
     def evaluate(self, server: ServerAlgorithm, name: str, batch_size: int) -> dict[str, float]:
         ref, message = self.sets[name], Packed(server)
 
-        def calls() -> list[Any]:
-            return [self.engine.pool[0].evaluate_global_ref.remote(message, name, [ref], batch_size)]
+        def calls() -> list[tuple[int, Any]]:
+            return [(0, self.engine.pool[0].evaluate_global_ref.remote(message, name, [ref], batch_size))]
 
         (out,) = self.engine._get_all(calls, f"evaluating the global model on the {name} set")
         return out
@@ -324,17 +324,26 @@ class RayEngine(Engine):
             raise err.as_instanceof_cause() from None
         raise err
 
-    def _get_all(self, make_calls: Callable[[], list[Any]], reason: str) -> list[Any]:
-        """``ray.get`` of the references ``make_calls()`` returns; when actors died, replace them and
-        make the calls again (at most ``max_restarts`` times). The calls must be idempotent."""
+    def _get_all(self, make_calls: Callable[[], list[tuple[int, Any]]], reason: str) -> list[Any]:
+        """The results of the calls ``make_calls()`` makes ((worker id, reference) pairs), in order; when
+        actors died, or hung (no answer ``engine.round_timeout_s`` after the calls were made: they are
+        killed), replace them and make the calls again (at most ``max_restarts`` times). The calls must
+        be idempotent."""
         for attempt in range(self.max_restarts + 1):
-            results, failed = [], False
-            for ref in make_calls():
+            calls = make_calls()
+            t_submit = time.perf_counter()
+            results: list[Any] = [None] * len(calls)
+            pending = {ref: i for i, (_, ref) in enumerate(calls)}
+            failed = False
+            for i, ref in self._arrivals(pending, t_submit):
                 try:
-                    results.append(self._ray.get(ref))
+                    results[i] = self._ray.get(ref)
                 except Exception as err:  # sorted out by _dead_or_raise
                     self._dead_or_raise(err)
                     failed = True
+            if pending:
+                self._kill_hung(sorted({calls[i][0] for i in pending.values()}), reason)
+                failed = True
             if not failed:
                 return results
             if attempt == self.max_restarts:
@@ -453,30 +462,43 @@ class RayEngine(Engine):
                 refs[w] = self.pool[w].run_round_parts.remote(*args, *shared)
         return refs
 
+    def _arrivals(self, pending: dict[Any, Any], t_submit: float) -> Iterator[tuple[Any, Any]]:
+        """(key, reference) of each of ``pending``'s references (reference -> key) as it arrives,
+        popped from it; stops when ``engine.round_timeout_s`` after ``t_submit`` passes, leaving those
+        without an answer in ``pending``."""
+        while pending:
+            left = None if self.round_timeout_s is None else self.round_timeout_s - (time.perf_counter() - t_submit)
+            ready, _ = self._ray.wait(list(pending), num_returns=1, timeout=None if left is None else max(left, 0.0))
+            if not ready:
+                return
+            for ref in ready:
+                yield pending.pop(ref), ref
+
+    def _kill_hung(self, workers: list[int], what: str) -> None:
+        """Kill workers that did not answer within ``engine.round_timeout_s`` (``what``: the call); the
+        caller then replaces them as dead ones."""
+        log.warning("Ray workers %s sent no result within engine.round_timeout_s=%g s (%s): killing them, to "
+                    "replace them and make their calls again", workers, self.round_timeout_s, what)
+        for w in workers:
+            self._ray.kill(self.pool[w], no_restart=True)
+
     def _collect(self, refs: dict[int, Any], results: list, arrived: list[float], t_submit: float) -> set[int]:
         """The results into ``results`` as they arrive (``arrived[w]``: seconds since ``t_submit``);
         returns the ids of workers whose actor (or a home it needed) died, or that hung: still without
         a result ``engine.round_timeout_s`` after ``t_submit``, they are killed (then replaced as dead)."""
         failed: set[int] = set()
         pending = {ref: w for w, ref in refs.items()}
-        while pending:
-            left = None if self.round_timeout_s is None else self.round_timeout_s - (time.perf_counter() - t_submit)
-            ready, _ = self._ray.wait(list(pending), num_returns=1, timeout=None if left is None else max(left, 0.0))
-            if not ready:
-                hung = sorted(pending.values())
-                log.warning("Ray workers %s sent no result within engine.round_timeout_s=%g s: killing them, to "
-                            "replace them and rerun their clients", hung, self.round_timeout_s)
-                for w in hung:
-                    self._ray.kill(self.pool[w], no_restart=True)
-                return failed | set(hung)
-            for ref in ready:
-                w = pending.pop(ref)
-                arrived[w] = time.perf_counter() - t_submit
-                try:
-                    results[w] = self._ray.get(ref)
-                except Exception as err:  # sorted out by _dead_or_raise
-                    self._dead_or_raise(err)
-                    failed.add(w)
+        for w, ref in self._arrivals(pending, t_submit):
+            arrived[w] = time.perf_counter() - t_submit
+            try:
+                results[w] = self._ray.get(ref)
+            except Exception as err:  # sorted out by _dead_or_raise
+                self._dead_or_raise(err)
+                failed.add(w)
+        if pending:
+            hung = sorted(pending.values())
+            self._kill_hung(hung, "their share of the round's training")
+            failed |= set(hung)
         return failed
 
     def _finish_round(self, ctx: RoundContext, lending: Lending | None) -> None:
@@ -485,13 +507,13 @@ class RayEngine(Engine):
         if not self.stateful:
             return
 
-        def calls() -> list[Any]:
+        def calls() -> list[tuple[int, Any]]:
             out = []
             for w, actor in enumerate(self.pool):
                 incoming = lending.returns_to(w) if lending is not None else []
                 if incoming:
-                    out.append(actor.import_states.remote(*incoming))
-                out.append(actor.commit_round.remote(ctx.round))
+                    out.append((w, actor.import_states.remote(*incoming)))
+                out.append((w, actor.commit_round.remote(ctx.round)))
             return out
 
         self._get_all(calls, f"saving client states after round {ctx.round + 1}")
@@ -508,9 +530,9 @@ class RayEngine(Engine):
         parts = assignment(client_ids, self.num_workers, self.lend)
         bc = Packed(broadcast)
 
-        def calls() -> list[Any]:
-            return [self.pool[w].evaluate_clients_packed.remote(
-                ctx, bc, cids, self.manifest.expected(cids) if self.stateful else None)
+        def calls() -> list[tuple[int, Any]]:
+            return [(w, self.pool[w].evaluate_clients_packed.remote(
+                ctx, bc, cids, self.manifest.expected(cids) if self.stateful else None))
                 for w, cids in enumerate(parts) if cids]
 
         out: dict[int, dict[str, float]] = {}
@@ -524,7 +546,7 @@ class RayEngine(Engine):
     # ------------------------------------------------------------------ durability
 
     def flush(self) -> None:
-        self._get_all(lambda: [a.flush.remote() for a in self.pool], "flushing client states")
+        self._get_all(lambda: [(w, a.flush.remote()) for w, a in enumerate(self.pool)], "flushing client states")
 
     def checkpoint_state(self, directory: Path, round: int) -> None:
         if self._lost is not None:
@@ -533,7 +555,7 @@ class RayEngine(Engine):
         if not self.stateful:
             return
         if self.shared:  # the folder's own two-phase checkpoint
-            self._get_all(lambda: [self.pool[0].checkpoint_state.remote(str(directory), round)],
+            self._get_all(lambda: [(0, self.pool[0].checkpoint_state.remote(str(directory), round))],
                           f"checkpoint after round {round}")
         else:
             self._gather(Path(directory), round)
@@ -554,8 +576,8 @@ class RayEngine(Engine):
         probe = leave_probe(directory, FOLDER)
         try:
             order = sorted(homes)
-            written = self._get_all(lambda: [self.pool[h].write_checkpoint_parts.remote(
-                str(directory), str(probe), homes[h], self.manifest.expected(cids_of[h]), round) for h in order],
+            written = self._get_all(lambda: [(h, self.pool[h].write_checkpoint_parts.remote(
+                str(directory), str(probe), homes[h], self.manifest.expected(cids_of[h]), round)) for h in order],
                 f"checkpoint after round {round}")
         finally:
             (directory / probe).unlink(missing_ok=True)
@@ -572,7 +594,7 @@ class RayEngine(Engine):
         """``home``'s states through the driver into ``directory``; returns the bytes written."""
         nbytes = 0
         for index, chunk in enumerate(chunks):
-            (states,) = self._get_all(lambda c=chunk: [self.pool[home].export_states_packed.remote(c)],
+            (states,) = self._get_all(lambda c=chunk: [(home, self.pool[home].export_states_packed.remote(c))],
                                       f"checkpoint after round {round}")
             try:
                 for cid in chunk:
@@ -585,7 +607,7 @@ class RayEngine(Engine):
 
     def commit_state(self, round: int) -> None:
         if self.stateful and self.shared:
-            self._get_all(lambda: [self.pool[0].commit_state.remote(round)], f"checkpoint after round {round}")
+            self._get_all(lambda: [(0, self.pool[0].commit_state.remote(round))], f"checkpoint after round {round}")
 
     def restore_state(self, directory: Path | None, round: int | None) -> None:
         """Every worker's store as of the checkpoint (a fresh start: empty), on the nodes there are now."""
@@ -599,15 +621,17 @@ class RayEngine(Engine):
         actors = list(self.pool) if not self.shared else [self.pool[0]]
         files = state_files(directory)
         if directory is None or files or not self.shared:
-            self._get_all(lambda: [a.restore_state.remote(None, None) for a in actors], "resetting client states")
+            self._get_all(lambda: [(w, a.restore_state.remote(None, None)) for w, a in enumerate(actors)],
+                          "resetting client states")
         if directory is None:
             return
         manifest = Manifest.from_state_dict(loaded["manifest"]) if loaded is not None else None
         if files:
             self.manifest = self._import(directory, files, manifest, (loaded or {}).get("homes"))
         elif self.shared:  # the folder's own checkpoint, compared with the manifest
-            self._get_all(lambda: [self.pool[0].restore_state.remote(str(directory), round)], "restoring client states")
-            (stored,) = self._get_all(lambda: [self.pool[0].stored_rounds.remote()], "restoring client states")
+            self._get_all(lambda: [(0, self.pool[0].restore_state.remote(str(directory), round))],
+                          "restoring client states")
+            (stored,) = self._get_all(lambda: [(0, self.pool[0].stored_rounds.remote())], "restoring client states")
             if manifest is not None and stored != manifest.rounds:
                 diff = sorted(set(stored.items()) ^ set(manifest.rounds.items()))
                 raise RuntimeError(f"checkpoint {directory}: the shared folder's client states differ from its "
@@ -647,8 +671,8 @@ class RayEngine(Engine):
 
             probe = leave_probe(directory)
             try:
-                read = self._get_all(lambda: [self.pool[h].read_checkpoint_parts.remote(
-                    str(directory), str(probe), own(h), expect(h)) for h in range(W)], "restoring client states")
+                read = self._get_all(lambda: [(h, self.pool[h].read_checkpoint_parts.remote(
+                    str(directory), str(probe), own(h), expect(h))) for h in range(W)], "restoring client states")
             finally:
                 (directory / probe).unlink(missing_ok=True)
         if all(r is not None for r in read):
@@ -663,7 +687,7 @@ class RayEngine(Engine):
                     found.rounds[cid] = checked_stamp(directory, cid, state, None if manifest is None
                                                       else manifest.rounds)
                     routed.setdefault(0 if self.shared else home_worker(cid, self.num_workers), {})[cid] = state
-                self._get_all(lambda r=routed: [self.pool[h].put_states.remote(Packed(s)) for h, s in r.items()],
+                self._get_all(lambda r=routed: [(h, self.pool[h].put_states.remote(Packed(s))) for h, s in r.items()],
                               "restoring client states")
         log.info("client states restored from %s: %d bytes read by the driver", directory, self.restore_driver_bytes)
         if manifest is not None and manifest.rounds.keys() - found.rounds.keys():
