@@ -139,16 +139,21 @@ def test_a_batchnorm_mlp_runs_and_a_cached_factory_stops_at_start_up():
         api.run(small, model=lambda input_shape, num_classes: one, data=data, partition=clients)
 
 
+def three_clients() -> tuple[tuple[np.ndarray, ...], list[np.ndarray]]:
+    """82 training samples of 8 features (4 classes) and 16 test ones; clients of 32, 33 and 17 samples."""
+    g = np.random.default_rng(0)
+    data = (g.normal(size=(82, 8)).astype(np.float32), np.arange(82) % 4,
+            g.normal(size=(16, 8)).astype(np.float32), np.arange(16) % 4)
+    return data, [np.arange(32), np.arange(32, 65), np.arange(65, 82)]
+
+
 def test_clients_that_would_make_a_one_sample_batch_are_named_at_start_up():
     """A BatchNorm MLP cannot train on a batch of one sample. Clients of 33 and 17 samples make one with
     batches of 8 (their last of each epoch): the run is refused at start-up naming them and
     train.drop_last, rather than failing in torch in the first round that samples them. drop_last runs;
     a model that takes one sample, or train.steps that stop before the last batch, are not refused."""
-    g = np.random.default_rng(0)
-    data = (g.normal(size=(82, 8)).astype(np.float32), np.arange(82) % 4,
-            g.normal(size=(16, 8)).astype(np.float32), np.arange(16) % 4)
     small = ["rounds=1", "clients_per_round=3", "train.batch_size=8", "logger.progress=false", "save_model=false"]
-    clients = [np.arange(32), np.arange(32, 65), np.arange(65, 82)]  # 32, 33 and 17 samples
+    data, clients = three_clients()
     with pytest.raises(ValueError, match=r"batch of one sample \(.*2 clients' local training would make one with "
                                          r"train\.batch_size=8, e\.g\. clients 1 \(33 samples\), 2 \(17 samples\): "
                                          r"set train\.drop_last=true"):
@@ -165,12 +170,9 @@ def test_fine_tuning_that_would_make_a_one_sample_batch_is_named_at_start_up():
     with batches of 13, client 2's second step is a one-sample batch. Local training (1 step) stops
     before it and runs; fine-tuning of 2 steps reaches it and is refused at start-up, naming the client
     and the key, rather than failing in torch at the first evaluation. 1 step, or drop_last, runs."""
-    g = np.random.default_rng(0)
-    data = (g.normal(size=(82, 8)).astype(np.float32), np.arange(82) % 4,
-            g.normal(size=(16, 8)).astype(np.float32), np.arange(16) % 4)
     small = ["rounds=1", "clients_per_round=3", "train.batch_size=13", "train.steps=1", "logger.progress=false",
              "save_model=false", "eval.clients=all"]
-    clients = [np.arange(32), np.arange(32, 65), np.arange(65, 82)]  # 32, 33 and 17 samples
+    data, clients = three_clients()
     with pytest.raises(ValueError, match=r"batch of one sample \(.*1 clients' fine-tuning \(eval\.finetune_steps=2\) "
                                          r"would make one with train\.batch_size=13, e\.g\. clients 2 \(14 samples\): "
                                          r"set train\.drop_last=true"):
